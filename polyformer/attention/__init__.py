@@ -1,0 +1,1 @@
+"""Attention, as stages: projection, position, key source, pattern, bias, kernel, output."""

@@ -1,0 +1,84 @@
+"""One attention block, as a run of stages. No variant is named here: each stage is present or not."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import AttentionConfig
+from ..interfaces import KV, AttnOut, Context
+from ..registry import KERNEL, NORMALIZE, POSITION
+from . import patterns
+from .keys import MemoryKV, context_source, self_source
+from .mixing import Output, TalkingHeads
+from .projection import Projection
+
+
+class Attention(nn.Module):
+    """Self-attention (with `layer`, its index among the stack's self-attention blocks, for XL
+    memories) or cross-attention to `ctx.context` when `cross` is True.
+
+    `shared_bias` is the stack's score-bias module (T5, ALiBi): one per stack, so it is held here
+    outside the module tree and registered once, on the stack.
+    """
+
+    def __init__(self, dim: int, cfg: AttentionConfig, *, causal: bool, layer: int = 0,
+                 cross: bool = False, dim_context: int | None = None,
+                 shared_bias: nn.Module | None = None, keep_scores: bool = False):
+        super().__init__()
+        self.cross = cross
+        self.causal = causal and not cross
+        self.layer = layer
+        positional = not cross
+        self.project = Projection(dim, cfg, dim_context=(dim_context or dim) if cross else None,
+                                  infuse=positional and cfg.position == "infused")
+        position = POSITION[cfg.position] if positional else None
+        self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base,
+                                  cfg.rotary_interleaved) if position is not None else None)
+        self._bias = (shared_bias,) if positional and shared_bias is not None else ()
+        self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
+                                   self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
+        normalize = NORMALIZE[cfg.normalize](cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize]()
+        self.kernel = KERNEL[cfg.kernel](
+            cfg.heads, self.project.qk_dim ** -0.5, cfg.dropout, normalize,
+            pre_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
+            post_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
+            fused=cfg.fused, keep_scores=keep_scores)
+        self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn)
+
+    def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
+        src = context_source(ctx) if self.cross else self_source(x, ctx, self.layer)
+        q, kv = self.project(x, src, ctx.pos)              # q (b, h, i, d); kv.k (b, hk, j, d)
+        if self.position is not None:
+            q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)
+        if self.memory_kv is not None:
+            kv = self.memory_kv(kv)
+        mask, causal = self.keep(ctx, kv)
+        bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None
+        if bias is not None and kv.free:
+            bias = F.pad(bias, (kv.free, 0))
+        out = self.kernel(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
+                          need_weights=ctx.need_weights)
+        return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
+
+    def keep(self, ctx: Context, kv: KV) -> tuple[Tensor | None, bool]:
+        """The boolean keep-mask (b|1, 1, i, j), or None with causal=True when the pattern is
+        exactly top-left causal. Built once per forward and shared by the stack's blocks."""
+        key = (self.cross, self.causal, kv.free, kv.k.shape[2])
+        if key not in ctx.memo:
+            ctx.memo[key] = self._build_keep(ctx, kv)
+        return ctx.memo[key]
+
+    def _build_keep(self, ctx: Context, kv: KV) -> tuple[Tensor | None, bool]:
+        keep = kv.mask[:, None, None, :] if kv.mask is not None else None     # (b, 1, 1, j)
+        causal = False
+        if self.causal:
+            if kv.free == 0 and kv.pos is ctx.pos:
+                causal = True
+            else:
+                pattern = patterns.causal(ctx.pos, kv.pos)[:, None]           # (b|1, 1, i, j)
+                keep = pattern if keep is None else keep & pattern
+        if kv.free and keep is not None:
+            keep = F.pad(keep, (kv.free, 0), value=True)
+        return keep, causal

@@ -1,0 +1,1 @@
+"""Attention kernels: each takes queries, keys / values, a keep-mask and a bias, and returns AttnOut."""

@@ -1,0 +1,92 @@
+"""The dense attention kernel: an explicit reference path and a fused
+`scaled_dot_product_attention` path, side by side. The reference is what every fast path and
+every other kernel is tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...interfaces import KV, AttnOut, KernelCaps
+
+
+def match_heads(t: Tensor, heads: int) -> Tensor:
+    """(b, hk, j, d) -> (b, heads, j, d): each kv head serves heads // hk query heads in a row."""
+    hk = t.shape[1]
+    if hk == heads:
+        return t
+    if hk == 1:
+        return t.expand(-1, heads, -1, -1)
+    return t.repeat_interleave(heads // hk, dim=1)
+
+
+def causal_keep(i: int, j: int, device: torch.device) -> Tensor:
+    """Top-left aligned causal pattern (i, j), the one `is_causal=True` means."""
+    return torch.ones(i, j, dtype=torch.bool, device=device).tril()
+
+
+class DenseKernel(nn.Module):
+    """Full L x L attention.
+
+    Args of forward: q (b, h, i, d); kv.k (b, hk, j, d); kv.v (b, hk, j, dv); mask (b|1, 1|h, i, j)
+    bool keep or None; bias (b|1, h, i, j) additive or None; causal: additionally apply the top-left
+    causal pattern (requires i == j); prev_scores: residual attention scores to add (b, h, i, j).
+    """
+
+    caps = KernelCaps(exact=True, bias=True, fused=True)
+
+    def __init__(self, heads: int, scale: float, dropout: float, normalize: nn.Module,
+                 pre_mix: nn.Module | None = None, post_mix: nn.Module | None = None,
+                 fused: bool | None = None, keep_scores: bool = False):
+        super().__init__()
+        self.heads = heads
+        self.scale = scale
+        self.normalize = normalize
+        self.pre_mix = pre_mix
+        self.post_mix = post_mix
+        self.dropout = nn.Dropout(dropout)
+        self.keep_scores = keep_scores
+        self.can_fuse = (fused is not False and getattr(normalize, "fusable", False)
+                         and pre_mix is None and post_mix is None and not keep_scores)
+
+    def forward(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
+                causal: bool, prev_scores: Tensor | None = None, need_weights: bool = False) -> AttnOut:
+        k, v = match_heads(kv.k, q.shape[1]), match_heads(kv.v, q.shape[1])
+        if self.can_fuse and prev_scores is None and not need_weights:
+            return AttnOut(self.fused(q, k, v, mask, bias, causal))
+        return self.reference(q, k, v, mask, bias, causal, prev_scores, need_weights)
+
+    def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
+              causal: bool) -> Tensor:
+        if causal and (mask is not None or bias is not None):
+            keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
+            mask = keep if mask is None else mask & keep
+            causal = False
+        attn_mask = mask
+        if bias is not None:     # fold bias and mask into one additive mask
+            attn_mask = bias.to(q.dtype)
+            if mask is not None:
+                attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
+        p = self.dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
+                                              is_causal=causal, scale=self.scale)
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
+                  causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut:
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) * self.scale
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        if prev_scores is not None:
+            scores = scores + prev_scores
+        if self.pre_mix is not None:
+            scores = self.pre_mix(scores)
+        if causal:
+            keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
+            mask = keep if mask is None else mask & keep
+        weights = self.normalize(scores, mask)
+        if self.post_mix is not None:
+            weights = self.post_mix(weights)
+        out = torch.einsum("bhij,bhjd->bhid", self.dropout(weights), v)
+        return AttnOut(out, scores=scores if self.keep_scores else None,
+                       weights=weights if need_weights else None)

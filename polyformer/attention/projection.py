@@ -1,0 +1,76 @@
+"""Queries, keys and values: heads, kv-heads (MQA arXiv:1911.02150 / GQA arXiv:2305.13245) and
+collaborative heads (arXiv:2006.16362)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from ..config import AttentionConfig
+from ..interfaces import KV, Source
+from ..position.sinusoidal import PositionInfusion
+
+
+class Projection(nn.Module):
+    """Projects the queries' input and the key / value source into heads.
+
+    Self-attention uses one fused q|k|v weight. Collaborative heads share one query and one key
+    projection of `collab_compression * heads * dim_head` features across heads, each head
+    re-weighting those features with its own mixing vector; the key then has a single head.
+    """
+
+    def __init__(self, dim: int, cfg: AttentionConfig, dim_context: int | None = None,
+                 infuse: bool = False):
+        super().__init__()
+        h, d = cfg.heads, cfg.dim_head
+        self.heads, self.dim_head = h, d
+        self.kv_heads = 1 if cfg.collab_heads else (cfg.kv_heads or h)
+        self.v_heads = h if cfg.collab_heads else self.kv_heads
+        if cfg.collab_heads:
+            shared = max(2, int(cfg.collab_compression * h * d) // 2 * 2)
+            self.qk_dim = shared
+            self.mixing = nn.Parameter(torch.ones(h, shared))
+            q_out, k_out = shared, shared
+        else:
+            self.qk_dim = d
+            self.mixing = None
+            q_out, k_out = h * d, self.kv_heads * d
+        v_out = self.v_heads * d
+        self.split = (q_out, k_out, v_out)
+        self.infusion = PositionInfusion(dim) if infuse else None
+        self.cross = dim_context is not None
+        if self.cross:
+            self.to_q = nn.Linear(dim, q_out, bias=False)
+            self.to_kv = nn.Linear(dim_context, k_out + v_out, bias=False)
+        else:
+            self.to_qkv = nn.Linear(dim, q_out + k_out + v_out, bias=False)
+
+    @property
+    def dim_value(self) -> int:
+        return self.dim_head
+
+    def forward(self, x: Tensor, src: Source, q_pos: Tensor) -> tuple[Tensor, KV]:
+        q_out, k_out, v_out = self.split
+        if self.cross:
+            q = self.to_q(x)
+            k, v = self.to_kv(src.x).split((k_out, v_out), dim=-1)
+        elif self.infusion is not None:
+            w_qk, w_v = self.to_qkv.weight.split((q_out + k_out, v_out), dim=0)
+            q = F.linear(self.infusion(x, q_pos), w_qk[:q_out])
+            k = F.linear(self.infusion(src.x, src.pos), w_qk[q_out:])
+            v = F.linear(src.x, w_v)
+        elif src.x is x:
+            q, k, v = self.to_qkv(x).split(self.split, dim=-1)
+        else:   # XL memories precede x in the source: project once, queries are the last rows
+            q, k, v = self.to_qkv(src.x).split(self.split, dim=-1)
+            q = q[:, -x.shape[1]:]
+        if self.mixing is not None:
+            q = q[:, None] * self.mixing[:, None, :]                  # (b, h, i, shared)
+            k = k[:, None]                                            # (b, 1, j, shared)
+        else:
+            q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
+            k = rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads)
+        v = rearrange(v, "b n (h d) -> b h n d", h=self.v_heads)
+        return q, KV(k=k, v=v, pos=src.pos, mask=src.mask)

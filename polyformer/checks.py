@@ -1,0 +1,111 @@
+"""Input checks, run before any compute; every message names the argument and what was expected."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .stack import AttentionLayers
+
+
+def tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def token_ids(x: object, num_tokens: int, name: str = "x") -> Tensor:
+    x = tensor(name, x)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape (batch, seq), got {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one token, got shape {tuple(x.shape)}")
+    lo, hi = int(x.min()), int(x.max())
+    if lo < 0 or hi >= num_tokens:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds token id {bad}, outside [0, num_tokens={num_tokens})")
+    return x
+
+
+def floats(name: str, x: object, ndim: int, shape_text: str) -> Tensor:
+    x = tensor(name, x)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating point tensor, got dtype {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have shape {shape_text}, got {tuple(x.shape)}")
+    return x
+
+
+def finite(name: str, x: Tensor) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} holds NaN or inf values")
+
+
+def bool_mask(name: str, mask: object, shape: tuple[int, ...], shape_text: str) -> Tensor:
+    mask = tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True = keep), got dtype {mask.dtype}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {shape_text} = {tuple(shape)}, got {tuple(mask.shape)}")
+    return mask
+
+
+def seq_len(n: int, max_seq_len: int, name: str = "x") -> None:
+    if n > max_seq_len:
+        raise ValueError(
+            f"{name} has {n} positions but max_seq_len={max_seq_len} and the learned absolute "
+            f"positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias to extrapolate)")
+
+
+def stack_inputs(stack: "AttentionLayers", x: object, mask: object, context: object, context_mask: object,
+                 mems: object, mem_masks: object, pos: object) -> None:
+    x = floats("x", x, 3, "(batch, seq, dim)")
+    b, n, dim = x.shape
+    if dim != stack.dim:
+        raise ValueError(f"x has feature size {dim}, expected dim={stack.dim}")
+    if mask is not None:
+        bool_mask("mask", mask, (b, n), "(batch, seq)")
+    if context is not None:
+        if not stack.has_cross:
+            raise ValueError("context was given but the stack has no cross-attention: build it with cross_attend=True")
+        context = floats("context", context, 3, "(batch, context_len, dim_context)")
+        dim_context = stack.cfg.dim_context or stack.dim
+        if context.shape[0] != b:
+            raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
+        if context.shape[2] != dim_context:
+            raise ValueError(f"context has feature size {context.shape[2]}, expected dim_context={dim_context}")
+        if context_mask is not None:
+            bool_mask("context_mask", context_mask, tuple(context.shape[:2]), "(batch, context_len)")
+    elif stack.has_cross:
+        raise ValueError("this stack has cross-attention blocks: pass context=(batch, context_len, dim)")
+    elif context_mask is not None:
+        raise ValueError("context_mask was given without a context")
+    if mems is not None:
+        if not isinstance(mems, (list, tuple)) or len(mems) != stack.num_self_attn:
+            raise ValueError(f"mems must be a list of {stack.num_self_attn} tensors (one per self-attention block)")
+        m = None
+        for i, mem in enumerate(mems):
+            mem = floats(f"mems[{i}]", mem, 3, "(batch, mem_len, dim)")
+            if mem.shape[0] != b or mem.shape[2] != dim:
+                raise ValueError(f"mems[{i}] must have shape ({b}, mem_len, {dim}), got {tuple(mem.shape)}")
+            if m is not None and mem.shape[1] != m:
+                raise ValueError(f"mems must all have the same length, got {m} and {mem.shape[1]}")
+            m = mem.shape[1]
+        if mem_masks is not None:
+            masks = mem_masks if isinstance(mem_masks, (list, tuple)) else [mem_masks]
+            if isinstance(mem_masks, (list, tuple)) and len(masks) != len(mems):
+                raise ValueError(f"mem_masks must have one mask per memory ({len(mems)}), got {len(masks)}")
+            for i, mm in enumerate(masks):
+                if mm is not None:
+                    bool_mask(f"mem_masks[{i}]", mm, (b, m), "(batch, mem_len)")
+    elif mem_masks is not None:
+        raise ValueError("mem_masks was given without mems")
+    if pos is not None:
+        pos = tensor("pos", pos)
+        if pos.ndim != 2 or pos.shape[-1] != n or pos.shape[0] not in (1, b):
+            raise ValueError(f"pos must have shape (batch or 1, {n}), got {tuple(pos.shape)}")

@@ -1,0 +1,132 @@
+"""Frozen, typed configs, one per pipeline stage, with a JSON round-trip.
+
+Configs are plain data: every choice is a name (resolved through `registry`) or a number, so a
+model can be rebuilt from the JSON saved next to its weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    heads: int = 8
+    dim_head: int = 64
+    kv_heads: int | None = None         # None: one kv head per query head; 1: multi-query
+    dropout: float = 0.0                # on the attention weights
+    num_mem_kv: int = 0                 # persistent memory key / values (arXiv:1907.01470)
+    position: str = "none"              # "rotary", "infused"            (registry.POSITION)
+    rotary_dim: int | None = None       # None: rotate the whole head
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False    # pairs (0,1),(2,3)... as RoFormer; False pairs i, i + d/2
+    bias: str = "none"                  # "t5", "alibi"                 (registry.SCORE_BIAS)
+    alibi_num_heads: int | None = None  # None: every head
+    rel_pos_num_buckets: int = 32
+    rel_pos_max_distance: int = 128
+    normalize: str = "softmax"          # "topk", "entmax15"            (registry.NORMALIZE)
+    topk: int | None = None
+    talking_heads: bool = False
+    collab_heads: bool = False
+    collab_compression: float = 0.3
+    on_attn: bool = False
+    gate_values: bool = False
+    kernel: str = "dense"               # registry.KERNEL
+    fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
+
+
+@dataclass(frozen=True)
+class FeedForwardConfig:
+    mult: float = 4
+    activation: str = "gelu"            # "relu", "relu_squared", "swish", "gelu_tanh" (registry.ACTIVATION)
+    glu: bool = False
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass(frozen=True)
+class LayersConfig:
+    dim: int
+    depth: int
+    causal: bool = False
+    cross_attend: bool = False
+    dim_context: int | None = None      # feature size of the cross-attention context; None: dim
+    only_cross: bool = False
+    custom_layers: tuple[str, ...] | None = None   # explicit layout, e.g. ("a", "f", "a", "f")
+    sandwich_coef: int | None = None
+    macaron: bool = False
+    norm: str = "layer"                 # "layer", "scale", "rms", "none"  (registry.NORM)
+    norm_eps: float = 1e-5
+    placement: str = "pre"              # "pre", "post", "sandwich"
+    residual: str = "add"               # "add", "rezero", "gru"           (registry.RESIDUAL)
+    residual_attn: bool = False
+    cross_residual_attn: bool = False
+    shift_tokens: int | tuple[int, ...] = 0
+    gradient_checkpointing: bool = False
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    ff: FeedForwardConfig = field(default_factory=FeedForwardConfig)
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        """The block kinds in order: 'a' self-attention, 'c' cross-attention, 'f' feedforward."""
+        if self.custom_layers is not None:
+            return tuple(self.custom_layers)
+        if self.only_cross:
+            block: tuple[str, ...] = ("c", "f")
+        elif self.cross_attend:
+            block = ("a", "c", "f")
+        else:
+            block = ("a", "f")
+        if self.macaron:
+            block = ("f",) + block
+        if self.sandwich_coef:
+            s = self.sandwich_coef
+            return ("a",) * s + block * (self.depth - s) + ("f",) * s
+        return block * self.depth
+
+
+def to_dict(cfg: Any) -> dict:
+    """A JSON-ready dict of a config (nested configs become nested dicts)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """Rebuild a config of type `cls` from `to_dict` output; unknown fields fail by name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _revive(hints[name], value)
+    return cls(**kwargs)
+
+
+def _revive(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if arg is type(None):
+                continue
+            if typing.get_origin(arg) is tuple and isinstance(value, list):
+                return tuple(value)
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return from_dict(arg, value)
+        return value
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def dumps(cfg: Any) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)

@@ -1,0 +1,84 @@
+"""`XTransformer`: an encoder `TransformerWrapper` and a cross-attending decoder, trained with the
+decoder's next-token loss. Keywords take `enc_` / `dec_` prefixes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .generate.decode import AutoregressiveWrapper
+from .keywords import KEYWORDS, closest
+from .stack import Decoder, Encoder
+from .wrappers import TransformerWrapper
+
+WRAPPER_KEYWORDS = ("num_tokens", "max_seq_len", "emb_dim", "emb_dropout", "num_memory_tokens",
+                    "use_abs_pos_emb", "scaled_sinu_pos_emb", "tie_embedding")
+OWN_KEYWORDS = ("dim", "tie_token_emb", "ignore_index", "pad_value")
+
+
+def _split(prefix: str, keywords: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    wrapper, layers = {}, {}
+    for name, value in keywords.items():
+        key = name[len(prefix):]
+        if key in WRAPPER_KEYWORDS:
+            wrapper[key] = value
+        else:
+            layers[key] = value
+    return wrapper, layers
+
+
+def _valid_names() -> list[str]:
+    inner = list(WRAPPER_KEYWORDS) + [k for k in KEYWORDS if k != "dim"]
+    return list(OWN_KEYWORDS) + [p + k for p in ("enc_", "dec_") for k in inner]
+
+
+class XTransformer(nn.Module):
+    """Encoder-decoder. forward(src (b, n), tgt (b, m), src_mask, tgt_mask) -> the decoder's
+    next-token loss on tgt, attending to the encoded src.
+
+    Args:
+        dim: model width of both stacks.
+        tie_token_emb: encoder and decoder share one token embedding (needs equal num_tokens).
+        enc_* / dec_*: any `TransformerWrapper` or layer keyword, for that side
+            (e.g. enc_num_tokens, enc_depth, enc_heads, dec_cross_residual_attn).
+    """
+
+    def __init__(self, *, dim: int, tie_token_emb: bool = False, ignore_index: int = -100,
+                 pad_value: int = 0, **keywords: Any):
+        super().__init__()
+        valid = _valid_names()
+        for name in keywords:
+            inner = name[4:]
+            if not name.startswith(("enc_", "dec_")) or (inner not in WRAPPER_KEYWORDS and inner not in KEYWORDS) \
+                    or inner == "dim":
+                raise TypeError(f"XTransformer got an unknown keyword {name!r}{closest(name, valid)}")
+        enc_wrap, enc_layers = _split("enc_", {k: v for k, v in keywords.items() if k.startswith("enc_")})
+        dec_wrap, dec_layers = _split("dec_", {k: v for k, v in keywords.items() if k.startswith("dec_")})
+        for side, wrap in (("enc", enc_wrap), ("dec", dec_wrap)):
+            for needed in ("num_tokens", "max_seq_len"):
+                if needed not in wrap:
+                    raise TypeError(f"XTransformer needs {side}_{needed}")
+        if "cross_attend" in dec_layers:
+            raise TypeError("XTransformer sets dec_cross_attend=True itself")
+        if tie_token_emb and enc_wrap["num_tokens"] != dec_wrap["num_tokens"]:
+            raise ValueError(f"tie_token_emb=True needs enc_num_tokens == dec_num_tokens, got "
+                             f"{enc_wrap['num_tokens']} and {dec_wrap['num_tokens']}")
+        self.encoder = TransformerWrapper(**enc_wrap, attn_layers=Encoder(dim=dim, **enc_layers))
+        decoder = TransformerWrapper(**dec_wrap, attn_layers=Decoder(dim=dim, cross_attend=True, **dec_layers))
+        if tie_token_emb:
+            decoder.token_emb = self.encoder.token_emb
+        self.decoder = AutoregressiveWrapper(decoder, ignore_index=ignore_index, pad_value=pad_value)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None) -> Tensor:
+        encoded = self.encoder(src, mask=src_mask, return_embeddings=True)
+        return self.decoder(tgt, mask=tgt_mask, context=encoded, context_mask=src_mask)
+
+    @torch.no_grad()
+    def generate(self, seq_in: Tensor, seq_out_start: Tensor, seq_len: int,
+                 src_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        """Encode seq_in once, then sample seq_len decoder tokens after seq_out_start."""
+        encoded = self.encoder(seq_in, mask=src_mask, return_embeddings=True)
+        return self.decoder.generate(seq_out_start, seq_len, context=encoded, context_mask=src_mask, **kwargs)

@@ -1,0 +1,1 @@
+"""Generation: sampling filters and the autoregressive wrapper."""

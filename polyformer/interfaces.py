@@ -1,0 +1,80 @@
+"""The records passed between stages, and the Protocols each stage keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+
+@dataclass
+class KV:
+    """Keys and values as they reach the kernel.
+
+    The first `free` keys (persistent memory key / values) carry no position: every query may see
+    them and no score bias applies to them. `pos` and `mask` describe the remaining keys.
+    """
+
+    k: Tensor                   # (b, hk, j, d)
+    v: Tensor                   # (b, hk, j, dv)
+    pos: Tensor | None          # (b|1, j - free) positions; None for keys without order (context)
+    mask: Tensor | None         # (b, j - free) bool, True = keep
+    free: int = 0
+
+
+@dataclass
+class Source:
+    """What keys and values are computed from: the layer input (with XL memories) or a context."""
+
+    x: Tensor                   # (b, j, dim)
+    pos: Tensor | None          # (b|1, j)
+    mask: Tensor | None         # (b, j) bool
+
+
+@dataclass
+class AttnOut:
+    out: Tensor                 # (b, h, i, dv) before the output stage; (b, i, dim) after it
+    scores: Tensor | None = None    # pre-normalisation scores (b, h, i, j), for residual attention
+    weights: Tensor | None = None   # normalised weights (b, h, i, j), when asked for
+
+
+@dataclass(frozen=True)
+class KernelCaps:
+    exact: bool                 # equals the dense reference on the same pattern
+    bias: bool                  # can take an additive score bias
+    fused: bool                 # may run on scaled_dot_product_attention
+
+
+@dataclass
+class Context:
+    """Per-forward facts every block may read. Positions travel explicitly with the queries."""
+
+    pos: Tensor                             # (b|1, n) positions of the current tokens
+    mask: Tensor | None = None              # (b, n) bool, True = keep
+    causal: bool = False
+    context: Tensor | None = None           # (b, m, dim_context) for cross-attention
+    context_mask: Tensor | None = None      # (b, m) bool
+    mems: list[Tensor] | None = None        # per self-attention layer (b, m_l, dim), XL memories
+    mem_masks: list[Tensor | None] | None = None
+    need_weights: bool = False
+    memo: dict = field(default_factory=dict)
+
+
+class PositionStage(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class ScoreBias(Protocol):
+    def __call__(self, q_pos: Tensor, k_pos: Tensor) -> Tensor: ...   # (b|1, h, i, j)
+
+
+class Normalizer(Protocol):
+    def __call__(self, scores: Tensor, mask: Tensor | None) -> Tensor: ...
+
+
+class Kernel(Protocol):
+    caps: KernelCaps
+
+    def __call__(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
+                 causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut: ...

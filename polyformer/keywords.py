@@ -1,0 +1,184 @@
+"""The x-transformers style keywords of the layer stack, as a table: one row per public keyword.
+
+Each row routes a keyword to fields of `LayersConfig` (dotted paths such as "attention.bias").
+Two keywords that write different values to the same field conflict (for example two positional
+schemes); the error names both. Unknown keywords fail with the closest valid names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import AttentionConfig, FeedForwardConfig, LayersConfig
+
+
+@dataclass(frozen=True)
+class Route:
+    """Write `value(arg)` to `path`; a `when_true` route writes fixed fields only if arg is truthy."""
+
+    path: str | None = None
+    convert: Callable[[Any], Any] | None = None
+    when_true: dict[str, Any] | None = None
+
+    def writes(self, arg: Any) -> dict[str, Any]:
+        if self.when_true is not None:
+            if not isinstance(arg, bool):
+                raise TypeError(f"expected True or False, got {arg!r}")
+            return dict(self.when_true) if arg else {}
+        value = self.convert(arg) if self.convert is not None else arg
+        return {self.path: value}
+
+
+def flag(**fields: Any) -> Route:
+    return Route(when_true={k.replace("__", "."): v for k, v in fields.items()})
+
+
+def _pre_norm(arg: Any) -> str:
+    if not isinstance(arg, bool):
+        raise TypeError(f"expected True or False, got {arg!r}")
+    return "pre" if arg else "post"
+
+
+def _shift(arg: Any) -> int | tuple[int, ...]:
+    if isinstance(arg, (list, tuple)):
+        return tuple(int(a) for a in arg)
+    return int(arg)
+
+
+def _layout(arg: Any) -> tuple[str, ...] | None:
+    return None if arg is None else tuple(arg)
+
+
+KEYWORDS: dict[str, Route] = {
+    # the stack
+    "dim": Route("dim"),
+    "depth": Route("depth"),
+    "causal": Route("causal"),
+    "cross_attend": Route("cross_attend"),
+    "only_cross": Route("only_cross"),
+    "dim_context": Route("dim_context"),
+    "custom_layers": Route("custom_layers", _layout),
+    "sandwich_coef": Route("sandwich_coef"),
+    "macaron": Route("macaron"),
+    "gradient_checkpointing": Route("gradient_checkpointing"),
+    "shift_tokens": Route("shift_tokens", _shift),
+    "residual_attn": Route("residual_attn"),
+    "cross_residual_attn": Route("cross_residual_attn"),
+    # residual and norm
+    "pre_norm": Route("placement", _pre_norm),
+    "sandwich_norm": flag(placement="sandwich"),
+    "use_scalenorm": flag(norm="scale"),
+    "use_rmsnorm": flag(norm="rms"),
+    "use_rezero": flag(residual="rezero", norm="none"),
+    "gate_residual": flag(residual="gru"),
+    "norm_eps": Route("norm_eps", float),
+    # positions
+    "rotary_pos_emb": flag(attention__position="rotary"),
+    "rotary_emb_dim": Route("attention.rotary_dim"),
+    "rotary_base": Route("attention.rotary_base", float),
+    "rotary_interleaved": Route("attention.rotary_interleaved"),
+    "position_infused_attn": flag(attention__position="infused"),
+    "rel_pos_bias": flag(attention__bias="t5"),
+    "rel_pos_num_buckets": Route("attention.rel_pos_num_buckets"),
+    "rel_pos_max_distance": Route("attention.rel_pos_max_distance"),
+    "alibi_pos_emb": flag(attention__bias="alibi"),
+    "alibi_pos_bias": flag(attention__bias="alibi"),          # later x-transformers spelling
+    "alibi_num_heads": Route("attention.alibi_num_heads"),
+    # attention
+    "heads": Route("attention.heads"),
+    "attn_dim_head": Route("attention.dim_head"),
+    "attn_kv_heads": Route("attention.kv_heads"),
+    "attn_one_kv_head": flag(attention__kv_heads=1),
+    "attn_dropout": Route("attention.dropout", float),
+    "attn_num_mem_kv": Route("attention.num_mem_kv"),
+    "attn_sparse_topk": Route("attention.topk"),
+    "attn_use_entmax15": flag(attention__normalize="entmax15"),
+    "attn_talking_heads": Route("attention.talking_heads"),
+    "attn_collab_heads": Route("attention.collab_heads"),
+    "attn_collab_compression": Route("attention.collab_compression", float),
+    "attn_on_attn": Route("attention.on_attn"),
+    "gate_values": Route("attention.gate_values"),
+    "attn_gate_values": Route("attention.gate_values"),       # later x-transformers spelling
+    "attn_flash": Route("attention.fused"),
+    # feedforward
+    "ff_mult": Route("ff.mult"),
+    "ff_glu": Route("ff.glu"),
+    "ff_relu_squared": flag(ff__activation="relu_squared"),
+    "ff_swish": flag(ff__activation="swish"),
+    "ff_dropout": Route("ff.dropout", float),
+    "ff_no_bias": flag(ff__bias=False),
+}
+
+
+def closest(name: str, valid: list[str] | tuple[str, ...] | set[str]) -> str:
+    """' did you mean ...?' with the closest valid names, or '' when none is close."""
+    matches = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
+    if not matches:
+        return ""
+    return "; did you mean " + " or ".join(repr(m) for m in matches) + "?"
+
+
+def unknown_keyword(name: str, valid: Any, owner: str) -> TypeError:
+    return TypeError(f"{owner} got an unknown keyword {name!r}{closest(name, valid)}")
+
+
+def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> LayersConfig:
+    """Turn x-transformers style keywords into a `LayersConfig`, refusing unknown or clashing ones."""
+    written: dict[str, tuple[str, Any]] = {}
+    for name, arg in keywords.items():
+        route = KEYWORDS.get(name)
+        if route is None:
+            raise unknown_keyword(name, KEYWORDS, owner)
+        try:
+            writes = route.writes(arg)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"{owner}: keyword {name!r}: {err}") from None
+        for path, value in writes.items():
+            if path in written and written[path][1] != value:
+                other = written[path][0]
+                raise ValueError(
+                    f"{owner}: keywords {other!r} and {name!r} conflict: both set {path} "
+                    f"({written[path][1]!r} vs {value!r}); choose one"
+                )
+            written[path] = (name, value)
+    if "dim" not in written or "depth" not in written:
+        missing = [k for k in ("dim", "depth") if k not in written]
+        raise TypeError(f"{owner} needs the keyword(s) {missing}")
+    values = {path: value for path, (_, value) in written.items()}
+    if values.get("attention.normalize") is None and values.get("attention.topk") is not None:
+        values["attention.normalize"] = "topk"
+    return _build(values)
+
+
+def _build(values: dict[str, Any]) -> LayersConfig:
+    groups: dict[str, dict[str, Any]] = {"attention": {}, "ff": {}, "": {}}
+    for path, value in values.items():
+        head, _, tail = path.partition(".")
+        if tail:
+            groups[head][tail] = value
+        else:
+            groups[""][head] = value
+    return LayersConfig(
+        attention=AttentionConfig(**groups["attention"]),
+        ff=FeedForwardConfig(**groups["ff"]),
+        **groups[""],
+    )
+
+
+def checked_keywords(init: Callable) -> Callable:
+    """Make a constructor refuse unknown keywords with the closest valid names."""
+    params = inspect.signature(init).parameters
+    valid = [p for p in params if p != "self"]
+
+    @functools.wraps(init)
+    def wrapper(self, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in params:
+                raise unknown_keyword(name, valid, type(self).__name__)
+        init(self, *args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,1 @@
+"""Positional schemes: rotary (on q/k), sinusoids (absolute, position-infused), score biases."""

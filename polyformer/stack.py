@@ -1,0 +1,213 @@
+"""The layer stack: a layout of blocks ('a' self-attention, 'c' cross-attention, 'f' feedforward),
+each joined to the residual stream by a norm placement and a residual policy.
+
+`AttentionLayers`, `Encoder`, `Decoder` and `CrossAttender` take the x-transformers keywords
+(see `keywords.py`); `from_config` rebuilds any of them from a `LayersConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from . import checks, rules
+from .attention.attention import Attention
+from .config import LayersConfig
+from .feedforward import FeedForward
+from .interfaces import AttnOut, Context
+from .keywords import parse_layers
+from .registry import NORM, RESIDUAL, SCORE_BIAS
+from .shift import TokenShift
+
+
+@dataclass
+class Intermediates:
+    """What a stack computed on the way, for inspection and for XL memories.
+
+    hiddens: the residual stream entering each block, then the stack's output before the final norm
+        (len(layout) + 1 tensors of (b, n, dim)).
+    attn: the attention weights (b, h, i, j) of every attention block, in order, when
+        `return_attn=True`; memory key / values come first along j.
+    mems: for each self-attention block, the (normalised) input its keys and values were computed
+        from: (b, n, dim). The wrappers turn these into the next segment's `mems`.
+    """
+
+    hiddens: list[Tensor] = field(default_factory=list)
+    attn: list[Tensor] = field(default_factory=list)
+    mems: list[Tensor] = field(default_factory=list)
+
+
+class Block(nn.Module):
+    """norm -> shift -> branch -> (scale, sandwich norm) -> residual -> post-norm."""
+
+    def __init__(self, kind: str, branch: nn.Module, combine: nn.Module, norm_in: nn.Module | None,
+                 norm_out: nn.Module | None, post_norm: nn.Module | None, shift: TokenShift | None,
+                 scale: float = 1.0):
+        super().__init__()
+        self.kind = kind
+        self.branch = branch
+        self.combine = combine
+        self.norm_in = norm_in
+        self.norm_out = norm_out
+        self.post_norm = post_norm
+        self.shift = shift
+        self.scale = scale
+
+    def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None
+                ) -> tuple[Tensor, AttnOut | None, Tensor]:
+        h = self.norm_in(x) if self.norm_in is not None else x
+        if self.shift is not None:
+            h = self.shift(h, ctx.mask)
+        attn = None
+        if self.kind == "f":
+            y = self.branch(h)
+        else:
+            attn = self.branch(h, ctx, prev_scores)
+            y = attn.out
+        if self.scale != 1.0:
+            y = y * self.scale
+        if self.norm_out is not None:
+            y = self.norm_out(y)
+        x = self.combine(x, y)
+        if self.post_norm is not None:
+            x = self.post_norm(x)
+        return x, attn, h
+
+
+class AttentionLayers(nn.Module):
+    """A stack of attention and feedforward blocks. Keywords as in x-transformers, e.g.
+    `AttentionLayers(dim=512, depth=6, heads=8, causal=True, rotary_pos_emb=True)`.
+
+    Args of forward:
+        x: (b, n, dim) float.
+        mask: (b, n) bool, True = keep; masked positions are never attended to.
+        context: (b, m, dim_context) for cross-attention blocks; context_mask: (b, m) bool.
+        mems: one (b, m, dim) memory per self-attention block (Transformer-XL), attended to before x.
+        mem_masks: one (b, m) bool per memory, or a single (b, m) for all of them.
+        pos: (b|1, n) positions of x; default m, m+1, ... after the memories.
+        return_attn: keep the attention weights (forces the reference path); returns
+            (out, Intermediates) like return_intermediates.
+        return_intermediates: return (out, Intermediates).
+    """
+
+    fixed: dict[str, Any] = {}
+
+    def __init__(self, **keywords: Any):
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in self.fixed.items():
+            if name in keywords:
+                raise TypeError(f"{owner} sets {name}={value!r} itself; use AttentionLayers to choose it")
+        self._build(parse_layers({**keywords, **self.fixed}, owner=owner), owner)
+
+    @classmethod
+    def from_config(cls, cfg: LayersConfig) -> "AttentionLayers":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._build(cfg, cls.__name__)
+        return self
+
+    def _build(self, cfg: LayersConfig, owner: str) -> None:
+        rules.check(cfg, owner)
+        self.cfg = cfg
+        self.dim = cfg.dim
+        self.causal = cfg.causal
+        a = cfg.attention
+        bias_cls = SCORE_BIAS[a.bias]
+        if bias_cls is None:
+            self.shared_bias = None
+        elif a.bias == "t5":
+            self.shared_bias = bias_cls(a.heads, cfg.causal, a.rel_pos_num_buckets, a.rel_pos_max_distance)
+        else:
+            self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
+        layout = cfg.layout
+        shifts = cfg.shift_tokens if isinstance(cfg.shift_tokens, tuple) else (cfg.shift_tokens,) * len(layout)
+        norm_cls = NORM[cfg.norm]
+
+        def norm() -> nn.Module | None:
+            return norm_cls(cfg.dim, cfg.norm_eps) if norm_cls is not None else None
+
+        blocks = []
+        n_self = 0
+        for kind, s in zip(layout, shifts):
+            if kind == "f":
+                branch: nn.Module = FeedForward(cfg.dim, cfg.ff)
+            else:
+                branch = Attention(cfg.dim, a, causal=cfg.causal, layer=n_self, cross=kind == "c",
+                                   dim_context=cfg.dim_context, shared_bias=self.shared_bias,
+                                   keep_scores=cfg.residual_attn if kind == "a" else cfg.cross_residual_attn)
+                n_self += kind == "a"
+            shift = TokenShift(tuple(range(0 if cfg.causal else -s, s + 1))) if s > 0 else None
+            blocks.append(Block(
+                kind, branch, RESIDUAL[cfg.residual](cfg.dim),
+                norm_in=norm() if cfg.placement in ("pre", "sandwich") else None,
+                norm_out=norm() if cfg.placement == "sandwich" else None,
+                post_norm=norm() if cfg.placement == "post" else None,
+                shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0))
+        self.blocks = nn.ModuleList(blocks)
+        self.num_self_attn = n_self
+        self.has_cross = "c" in layout
+        self.final_norm = norm() if cfg.placement in ("pre", "sandwich") else None
+
+    @property
+    def has_pos_emb(self) -> bool:
+        """Whether the blocks carry positions themselves (rotary, infused, T5, ALiBi)."""
+        return self.cfg.attention.position != "none" or self.cfg.attention.bias != "none"
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        return self.cfg.layout
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
+                context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
+                mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
+                return_attn: bool = False, return_intermediates: bool = False
+                ) -> Tensor | tuple[Tensor, Intermediates]:
+        checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
+        if isinstance(mem_masks, Tensor):
+            mem_masks = [mem_masks] * self.num_self_attn
+        if pos is None:
+            m = mems[0].shape[1] if mems else 0
+            pos = torch.arange(m, m + x.shape[1], device=x.device)[None]
+        ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
+                      mems=mems, mem_masks=mem_masks, need_weights=return_attn)
+        record = Intermediates()
+        prev = {"a": None, "c": None}
+        for block in self.blocks:
+            record.hiddens.append(x)
+            if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
+            else:
+                x, attn, h = block(x, ctx, prev.get(block.kind))
+            if attn is not None:
+                prev[block.kind] = attn.scores
+                if attn.weights is not None:
+                    record.attn.append(attn.weights)
+            if block.kind == "a":
+                record.mems.append(h)
+        record.hiddens.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return (x, record) if return_intermediates or return_attn else x
+
+
+class Encoder(AttentionLayers):
+    """Bidirectional stack (BERT-like)."""
+
+    fixed = {"causal": False}
+
+
+class Decoder(AttentionLayers):
+    """Causal stack (GPT-like): position t never sees positions after t."""
+
+    fixed = {"causal": True}
+
+
+class CrossAttender(AttentionLayers):
+    """Cross-attention and feedforward blocks only: queries attend to a context, never to each other."""
+
+    fixed = {"cross_attend": True, "only_cross": True}

@@ -1,0 +1,277 @@
+"""Wrappers around a layer stack: tokens (`TransformerWrapper`), vectors
+(`ContinuousTransformerWrapper`) and images (`ViTransformerWrapper`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import checks
+from .embedding import LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions, TokenEmbedding
+from .keywords import checked_keywords
+from .stack import AttentionLayers, Intermediates
+
+
+def _stack(attn_layers: object, owner: str) -> AttentionLayers:
+    if not isinstance(attn_layers, AttentionLayers):
+        raise TypeError(f"{owner}: attn_layers must be an Encoder, Decoder or AttentionLayers, "
+                        f"got {type(attn_layers).__name__}")
+    return attn_layers
+
+
+class SequenceWrapper(nn.Module):
+    """embed -> absolute positions -> dropout -> memory tokens -> stack -> head, with XL memories.
+
+    Subclasses supply `embed(x)` (b, n, dim) and `head(x)`.
+    """
+
+    def _setup(self, *, attn_layers: AttentionLayers, max_seq_len: int, emb_dropout: float,
+               num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
+               max_mem_len: int, shift_mem_down: int) -> None:
+        owner = type(self).__name__
+        self.attn_layers = _stack(attn_layers, owner)
+        dim = self.attn_layers.dim
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"{owner}: max_seq_len must be a positive integer, got {max_seq_len!r}")
+        if not 0 <= emb_dropout < 1:
+            raise ValueError(f"{owner}: emb_dropout must be in [0, 1), got {emb_dropout}")
+        if max_mem_len < 0 or shift_mem_down < 0:
+            raise ValueError(f"{owner}: max_mem_len and shift_mem_down must be >= 0")
+        if shift_mem_down and not max_mem_len:
+            raise ValueError(f"{owner}: shift_mem_down={shift_mem_down} needs max_mem_len > 0")
+        if shift_mem_down >= max(1, self.attn_layers.num_self_attn):
+            raise ValueError(f"{owner}: shift_mem_down must be < the number of self-attention blocks "
+                             f"({self.attn_layers.num_self_attn}), got {shift_mem_down}")
+        if num_memory_tokens and max_mem_len:
+            raise ValueError(f"{owner}: num_memory_tokens and max_mem_len cannot be combined: memory "
+                             "tokens would sit between the XL memory and the segment")
+        self.max_seq_len = max_seq_len
+        self.max_mem_len = max_mem_len
+        self.shift_mem_down = shift_mem_down
+        if scaled_sinu_pos_emb and use_abs_pos_emb is False:
+            raise ValueError(f"{owner}: scaled_sinu_pos_emb=True conflicts with use_abs_pos_emb=False")
+        if use_abs_pos_emb is None:       # off when the blocks carry positions themselves
+            use_abs_pos_emb = not self.attn_layers.has_pos_emb
+        self.pos_emb: nn.Module | None = None
+        if scaled_sinu_pos_emb:
+            self.pos_emb = SinusoidalPositions(dim, scaled=True)
+        elif use_abs_pos_emb:
+            self.pos_emb = LearnedPositions(max_seq_len, dim)
+        self.emb_dropout = nn.Dropout(emb_dropout)
+        self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether sequences are limited to max_seq_len (learned absolute positions)."""
+        return isinstance(self.pos_emb, LearnedPositions)
+
+    def _check_common(self, n: int, b: int, mask: Tensor | None, mems: list[Tensor] | None,
+                      return_mems: bool, return_attn: bool) -> None:
+        if self.bounded:
+            checks.seq_len(n, self.max_seq_len)
+        if mask is not None:
+            checks.bool_mask("mask", mask, (b, n), "(batch, seq)")
+        if (mems is not None or return_mems) and not self.max_mem_len:
+            raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0")
+        if return_mems and return_attn:
+            raise ValueError("return_mems and return_attn cannot both be set: use return_intermediates=True")
+
+    def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
+             mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
+             return_attn: bool) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
+        n = h.shape[1]
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(torch.arange(n, device=h.device)[None]).to(h.dtype)
+        h = self.emb_dropout(h)
+        if self.memory_tokens is not None:
+            h, mask = self.memory_tokens(h, mask)
+        if mems is not None and self.shift_mem_down:
+            s = self.shift_mem_down           # layer l reads the memory layer l + s wrote
+            mems = list(mems[s:]) + list(mems[:s])
+            if isinstance(mem_masks, (list, tuple)):
+                mem_masks = list(mem_masks[s:]) + list(mem_masks[:s])
+        out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
+                               mem_masks=mem_masks, return_attn=return_attn,
+                               return_intermediates=need_record)
+        record = None
+        if need_record:
+            out, record = out
+        if self.memory_tokens is not None:
+            out = out[:, self.memory_tokens.tokens.shape[0]:]
+        new_mems = None
+        if self.max_mem_len and record is not None:
+            new_mems = []
+            for i, h_l in enumerate(record.mems):
+                joined = torch.cat((mems[i], h_l), dim=1) if mems is not None else h_l
+                new_mems.append(joined[:, -self.max_mem_len:].detach())
+        return out, record, new_mems
+
+    def _finish(self, out: Tensor, record: Intermediates | None, new_mems: list[Tensor] | None,
+                return_embeddings: bool, return_mems: bool, return_attn: bool,
+                return_intermediates: bool) -> Any:
+        result = out if return_embeddings else self.head(out)
+        if return_intermediates:
+            record.mems = new_mems if new_mems is not None else record.mems
+            return result, record
+        if return_mems:
+            return result, new_mems
+        if return_attn:
+            return result, record.attn
+        return result
+
+
+class TransformerWrapper(SequenceWrapper):
+    """Token ids in, logits (or embeddings) out.
+
+    Args:
+        num_tokens: vocabulary size; ids must lie in [0, num_tokens).
+        max_seq_len: longest sequence for learned absolute positions.
+        attn_layers: an `Encoder`, `Decoder` or `AttentionLayers`.
+        emb_dim: token embedding size when it differs from the stack's dim (projected in and out).
+        emb_dropout: dropout after the embedding.
+        num_memory_tokens: learned tokens prepended to every sequence (arXiv:2006.11527).
+        tie_embedding: output logits use the token embedding matrix.
+        use_abs_pos_emb: learned absolute positions; None (default) turns them off when the stack
+            carries positions itself (rotary, ALiBi, T5, position-infused).
+        scaled_sinu_pos_emb: sinusoidal absolute positions with one learned scale instead.
+        max_mem_len: Transformer-XL memory length kept by `return_mems`.
+        shift_mem_down: route layer l's memory to layer l - shift_mem_down (ERNIE-Doc, arXiv:2012.15688).
+
+    forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
+    return_embeddings, return_mems, return_attn, return_intermediates) -> logits (b, n, num_tokens),
+    embeddings (b, n, dim), or a pair with the memories / attention maps / Intermediates.
+    """
+
+    @checked_keywords
+    def __init__(self, *, num_tokens: int, max_seq_len: int, attn_layers: AttentionLayers,
+                 emb_dim: int | None = None, emb_dropout: float = 0.0,
+                 num_memory_tokens: int | None = None, tie_embedding: bool = False,
+                 use_abs_pos_emb: bool | None = None, scaled_sinu_pos_emb: bool = False,
+                 max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None):
+        super().__init__()
+        stack = _stack(attn_layers, "TransformerWrapper")
+        dim = stack.dim
+        emb_dim = emb_dim or dim
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"TransformerWrapper: num_tokens must be a positive integer, got {num_tokens!r}")
+        if tie_embedding and (emb_dim != dim or logits_dim not in (None, num_tokens)):
+            raise ValueError("TransformerWrapper: tie_embedding=True needs emb_dim == dim and logits_dim == num_tokens")
+        self.num_tokens = num_tokens
+        self.token_emb = TokenEmbedding(num_tokens, emb_dim)
+        self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
+        self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
+                    num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
+                    scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
+                    shift_mem_down=shift_mem_down)
+        self.tie_embedding = tie_embedding
+        self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens)
+
+    def head(self, x: Tensor) -> Tensor:
+        if self.to_logits is None:
+            return x @ self.token_emb.weight.t()
+        return self.to_logits(x)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
+                context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
+                mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
+                return_mems: bool = False, return_attn: bool = False,
+                return_intermediates: bool = False) -> Any:
+        checks.token_ids(x, self.num_tokens)
+        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn)
+        h = self.token_emb(x)
+        if self.project_emb is not None:
+            h = self.project_emb(h)
+        need = return_mems or return_attn or return_intermediates
+        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn)
+        return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
+                            return_intermediates)
+
+
+class ContinuousTransformerWrapper(SequenceWrapper):
+    """Vectors in (b, n, dim_in), vectors out (b, n, dim_out); arguments as `TransformerWrapper`.
+
+    allow_nonfinite: accept NaN / inf in the input instead of refusing it.
+    """
+
+    @checked_keywords
+    def __init__(self, *, max_seq_len: int, attn_layers: AttentionLayers, dim_in: int | None = None,
+                 dim_out: int | None = None, emb_dropout: float = 0.0,
+                 num_memory_tokens: int | None = None, use_abs_pos_emb: bool | None = None,
+                 scaled_sinu_pos_emb: bool = False, max_mem_len: int = 0, shift_mem_down: int = 0,
+                 allow_nonfinite: bool = False):
+        super().__init__()
+        stack = _stack(attn_layers, "ContinuousTransformerWrapper")
+        dim = stack.dim
+        self.dim_in = dim_in or dim
+        self.project_in = nn.Linear(dim_in, dim) if dim_in is not None else None
+        self.project_out = nn.Linear(dim, dim_out) if dim_out is not None else None
+        self.allow_nonfinite = allow_nonfinite
+        self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
+                    num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
+                    scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
+                    shift_mem_down=shift_mem_down)
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.project_out(x) if self.project_out is not None else x
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
+                context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
+                mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
+                return_mems: bool = False, return_attn: bool = False,
+                return_intermediates: bool = False) -> Any:
+        checks.floats("x", x, 3, "(batch, seq, dim_in)")
+        if x.shape[-1] != self.dim_in:
+            raise ValueError(f"x has feature size {x.shape[-1]}, expected dim_in={self.dim_in}")
+        if not self.allow_nonfinite:
+            checks.finite("x", x)
+        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn)
+        h = self.project_in(x) if self.project_in is not None else x
+        need = return_mems or return_attn or return_intermediates
+        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn)
+        return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
+                            return_intermediates)
+
+
+class ViTransformerWrapper(nn.Module):
+    """Images (b, channels, image_size, image_size) -> class logits (b, num_classes) from a class
+    token, or the encoded patches (b, 1 + patches, dim) with `return_embeddings=True` or no head
+    (arXiv:2010.11929)."""
+
+    @checked_keywords
+    def __init__(self, *, image_size: int, patch_size: int, attn_layers: AttentionLayers,
+                 num_classes: int | None = None, channels: int = 3, dropout: float = 0.0,
+                 emb_dropout: float = 0.0, allow_nonfinite: bool = False):
+        super().__init__()
+        stack = _stack(attn_layers, "ViTransformerWrapper")
+        if patch_size < 1 or image_size % patch_size:
+            raise ValueError(f"ViTransformerWrapper: patch_size ({patch_size}) must divide image_size ({image_size})")
+        if stack.causal:
+            raise ValueError("ViTransformerWrapper: attn_layers must be bidirectional (an Encoder), not a Decoder")
+        dim = stack.dim
+        self.image_size, self.channels = image_size, channels
+        num_patches = (image_size // patch_size) ** 2
+        self.patch_embed = PatchEmbedding(image_size, patch_size, channels, dim)
+        self.pos_emb = nn.Parameter(torch.randn(1, num_patches + 1, dim) * 0.02)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.dropout = nn.Dropout(emb_dropout)
+        self.attn_layers = stack
+        self.allow_nonfinite = allow_nonfinite
+        self.mlp_head = None
+        if num_classes is not None:
+            self.mlp_head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+
+    def forward(self, img: Tensor, return_embeddings: bool = False) -> Tensor:
+        checks.floats("img", img, 4, "(batch, channels, image_size, image_size)")
+        expected = (self.channels, self.image_size, self.image_size)
+        if tuple(img.shape[1:]) != expected:
+            raise ValueError(f"img must have shape (batch, {', '.join(map(str, expected))}), got {tuple(img.shape)}")
+        if not self.allow_nonfinite:
+            checks.finite("img", img)
+        x = self.patch_embed(img)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_emb
+        x = self.attn_layers(self.dropout(x))
+        if self.mlp_head is None or return_embeddings:
+            return x
+        return self.mlp_head(x[:, 0])
