@@ -1,0 +1,28 @@
+"""Small builders shared by the tests: tiny models, CPU, float32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polyformer import AttentionLayers, Decoder, Encoder, TransformerWrapper
+
+WRAPPER_KEYS = ("num_memory_tokens", "max_mem_len", "shift_mem_down", "emb_dropout", "tie_embedding",
+                "use_abs_pos_emb", "scaled_sinu_pos_emb", "emb_dim")
+
+
+def tiny_lm(stack: type[AttentionLayers] = Decoder, num_tokens: int = 64, max_seq_len: int = 32,
+            dim: int = 32, depth: int = 2, heads: int = 4, **keywords: Any) -> TransformerWrapper:
+    """A TransformerWrapper over a tiny stack; wrapper keywords and layer keywords may be mixed."""
+    wrap = {k: keywords.pop(k) for k in list(keywords) if k in WRAPPER_KEYS}
+    layers = stack(dim=dim, depth=depth, heads=heads, **keywords)
+    return TransformerWrapper(num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=layers, **wrap).eval()
+
+
+def tiny_encoder(**keywords: Any) -> TransformerWrapper:
+    return tiny_lm(Encoder, **keywords)
+
+
+def ids(batch: int = 2, n: int = 12, num_tokens: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, num_tokens, (batch, n), generator=torch.Generator().manual_seed(seed))
