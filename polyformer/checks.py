@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from .memory.kv_cache import DecodeState
     from .stack import AttentionLayers
 
 
@@ -109,3 +110,16 @@ def stack_inputs(stack: "AttentionLayers", x: object, mask: object, context: obj
         pos = tensor("pos", pos)
         if pos.ndim != 2 or pos.shape[-1] != n or pos.shape[0] not in (1, b):
             raise ValueError(f"pos must have shape (batch or 1, {n}), got {tuple(pos.shape)}")
+
+
+def decode_state(stack: "AttentionLayers", state: "DecodeState", x: Tensor, mems: object) -> None:
+    if mems is not None:
+        raise ValueError("mems and state cannot be combined: a decode state already holds every earlier key")
+    if state.batch != x.shape[0]:
+        raise ValueError(f"state was made for batch size {state.batch}, x has {x.shape[0]}")
+    if state.k.shape[0] != stack.num_self_attn:
+        raise ValueError(f"state holds {state.k.shape[0]} layers, the stack has {stack.num_self_attn} "
+                         "self-attention blocks: it was made for another model")
+    if state.length + x.shape[1] > state.max_len:
+        raise ValueError(f"state has room for {state.max_len} positions; {state.length} are used and "
+                         f"x adds {x.shape[1]}")

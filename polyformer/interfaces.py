@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .memory.kv_cache import DecodeState
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Context:
     mems: list[Tensor] | None = None        # per self-attention layer (b, m_l, dim), XL memories
     mem_masks: list[Tensor | None] | None = None
     need_weights: bool = False
+    state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
     memo: dict = field(default_factory=dict)
 
 

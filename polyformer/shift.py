@@ -32,5 +32,10 @@ class TokenShift(nn.Module):
         moved = [shift_sequence(c, s) for c, s in zip(chunks, self.shifts)]
         return torch.cat(moved + list(chunks[len(self.shifts):]), dim=-1)
 
+    @property
+    def reach(self) -> int:
+        """How many earlier positions the shift reads."""
+        return max(self.shifts)
+
     def extra_repr(self) -> str:
         return f"shifts={self.shifts}"

@@ -20,6 +20,7 @@ from .config import LayersConfig
 from .feedforward import FeedForward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
+from .memory.kv_cache import DecodeState
 from .registry import NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
 
@@ -46,9 +47,10 @@ class Block(nn.Module):
 
     def __init__(self, kind: str, branch: nn.Module, combine: nn.Module, norm_in: nn.Module | None,
                  norm_out: nn.Module | None, post_norm: nn.Module | None, shift: TokenShift | None,
-                 scale: float = 1.0):
+                 scale: float = 1.0, index: int = 0):
         super().__init__()
         self.kind = kind
+        self.index = index
         self.branch = branch
         self.combine = combine
         self.norm_in = norm_in
@@ -61,7 +63,11 @@ class Block(nn.Module):
                 ) -> tuple[Tensor, AttnOut | None, Tensor]:
         h = self.norm_in(x) if self.norm_in is not None else x
         if self.shift is not None:
-            h = self.shift(h, ctx.mask)
+            if ctx.state is not None:      # the shift reaches back into earlier steps' inputs
+                window, window_mask = ctx.state.shift_window(self.index, h, self.shift.reach)
+                h = self.shift(window, window_mask)[:, -h.shape[1]:]
+            else:
+                h = self.shift(h, ctx.mask)
         attn = None
         if self.kind == "f":
             y = self.branch(h)
@@ -88,7 +94,9 @@ class AttentionLayers(nn.Module):
         context: (b, m, dim_context) for cross-attention blocks; context_mask: (b, m) bool.
         mems: one (b, m, dim) memory per self-attention block (Transformer-XL), attended to before x.
         mem_masks: one (b, m) bool per memory, or a single (b, m) for all of them.
-        pos: (b|1, n) positions of x; default m, m+1, ... after the memories.
+        pos: (b|1, n) positions of x; default m, m+1, ... after the memories, or after the cache.
+        state: a `DecodeState` (from `new_state`): keys and values of earlier steps are read from it
+            and this step's are written to it; x holds only the new positions.
         return_attn: keep the attention weights (forces the reference path); returns
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
@@ -132,26 +140,50 @@ class AttentionLayers(nn.Module):
             return norm_cls(cfg.dim, cfg.norm_eps) if norm_cls is not None else None
 
         blocks = []
-        n_self = 0
-        for kind, s in zip(layout, shifts):
+        n_self = n_cross = 0
+        for index, (kind, s) in enumerate(zip(layout, shifts)):
             if kind == "f":
                 branch: nn.Module = FeedForward(cfg.dim, cfg.ff)
             else:
-                branch = Attention(cfg.dim, a, causal=cfg.causal, layer=n_self, cross=kind == "c",
+                branch = Attention(cfg.dim, a, causal=cfg.causal, layer=n_self if kind == "a" else n_cross,
+                                   cross=kind == "c",
                                    dim_context=cfg.dim_context, shared_bias=self.shared_bias,
                                    keep_scores=cfg.residual_attn if kind == "a" else cfg.cross_residual_attn)
                 n_self += kind == "a"
+                n_cross += kind == "c"
             shift = TokenShift(tuple(range(0 if cfg.causal else -s, s + 1))) if s > 0 else None
             blocks.append(Block(
                 kind, branch, RESIDUAL[cfg.residual](cfg.dim),
                 norm_in=norm() if cfg.placement in ("pre", "sandwich") else None,
                 norm_out=norm() if cfg.placement == "sandwich" else None,
                 post_norm=norm() if cfg.placement == "post" else None,
-                shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0))
+                shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
         self.num_self_attn = n_self
         self.has_cross = "c" in layout
         self.final_norm = norm() if cfg.placement in ("pre", "sandwich") else None
+
+    @staticmethod
+    def next_positions(n: int, mems: list[Tensor] | None, state: DecodeState | None,
+                       device: torch.device) -> Tensor:
+        """Default positions of n new tokens: after the XL memories, or after each row's last cached
+        position; 0, 1, ... otherwise."""
+        steps = torch.arange(n, device=device)[None]
+        if state is not None and state.length:
+            return state.pos[:, state.length - 1: state.length] + 1 + steps
+        m = mems[0].shape[1] if mems else 0
+        return steps + m
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> DecodeState:
+        """A decode state with room for max_len positions (see memory/kv_cache.py)."""
+        if not self.causal:
+            raise ValueError("a decode state needs a causal stack (a Decoder)")
+        first = next(b.branch for b in self.blocks if b.kind == "a")
+        proj = first.project
+        param = next(self.parameters())
+        return DecodeState(self.num_self_attn, batch, max_len, proj.kv_heads, proj.qk_dim, proj.v_heads,
+                           proj.dim_head, dtype=dtype or param.dtype, device=device or param.device)
 
     @property
     def has_pos_emb(self) -> bool:
@@ -165,16 +197,19 @@ class AttentionLayers(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
-                return_attn: bool = False, return_intermediates: bool = False
-                ) -> Tensor | tuple[Tensor, Intermediates]:
+                state: DecodeState | None = None, return_attn: bool = False,
+                return_intermediates: bool = False) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
+        if state is not None:
+            checks.decode_state(self, state, x, mems)
         if isinstance(mem_masks, Tensor):
             mem_masks = [mem_masks] * self.num_self_attn
         if pos is None:
-            m = mems[0].shape[1] if mems else 0
-            pos = torch.arange(m, m + x.shape[1], device=x.device)[None]
+            pos = self.next_positions(x.shape[1], mems, state, x.device)
         ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
-                      mems=mems, mem_masks=mem_masks, need_weights=return_attn)
+                      mems=mems, mem_masks=mem_masks, need_weights=return_attn, state=state)
+        if state is not None:
+            state.begin(pos, mask)
         record = Intermediates()
         prev = {"a": None, "c": None}
         for block in self.blocks:
@@ -190,6 +225,8 @@ class AttentionLayers(nn.Module):
             if block.kind == "a":
                 record.mems.append(h)
         record.hiddens.append(x)
+        if state is not None:
+            state.commit()
         if self.final_norm is not None:
             x = self.final_norm(x)
         return (x, record) if return_intermediates or return_attn else x

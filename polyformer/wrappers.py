@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from . import checks
 from .embedding import LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions, TokenEmbedding
 from .keywords import checked_keywords
+from .memory.kv_cache import DecodeState
 from .stack import AttentionLayers, Intermediates
 
 
@@ -68,38 +69,73 @@ class SequenceWrapper(nn.Module):
         return isinstance(self.pos_emb, LearnedPositions)
 
     def _check_common(self, n: int, b: int, mask: Tensor | None, mems: list[Tensor] | None,
-                      return_mems: bool, return_attn: bool) -> None:
-        if self.bounded:
-            checks.seq_len(n, self.max_seq_len)
+                      return_mems: bool, return_attn: bool, pos: Tensor | None,
+                      state: DecodeState | None) -> None:
         if mask is not None:
             checks.bool_mask("mask", mask, (b, n), "(batch, seq)")
+        if pos is not None:
+            pos = checks.tensor("pos", pos)
+            if pos.ndim != 2 or pos.shape[1] != n or pos.shape[0] not in (1, b) or pos.dtype.is_floating_point:
+                raise ValueError(f"pos must be integer positions of shape (batch or 1, {n}), got "
+                                 f"{tuple(pos.shape)} {pos.dtype}")
+        if mems is not None and not isinstance(mems, (list, tuple)):
+            raise ValueError(f"mems must be a list of tensors (one per self-attention block), got {type(mems).__name__}")
         if (mems is not None or return_mems) and not self.max_mem_len:
             raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0")
         if return_mems and return_attn:
             raise ValueError("return_mems and return_attn cannot both be set: use return_intermediates=True")
+        if state is not None and (mems is not None or return_mems):
+            raise ValueError("state cannot be combined with mems / return_mems")
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> DecodeState:
+        """A decode state (KV cache) with room for max_len tokens of `batch` sequences."""
+        return self.attn_layers.new_state(batch, max_len + self.num_memory_tokens, dtype, device)
+
+    @property
+    def num_memory_tokens(self) -> int:
+        return self.memory_tokens.tokens.shape[0] if self.memory_tokens is not None else 0
+
+    def _positions(self, n: int, pos: Tensor | None, state: DecodeState | None, device: torch.device) -> Tensor:
+        """Positions of the tokens among the tokens (memory tokens excluded)."""
+        if pos is not None:
+            return pos
+        if state is not None and state.length:
+            return AttentionLayers.next_positions(n, None, state, device) - self.num_memory_tokens
+        return torch.arange(n, device=device)[None]
 
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
              mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
-             return_attn: bool) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
+             return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None
+             ) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
+        tok_pos = self._positions(n, pos, state, h.device)
+        if self.bounded and int(tok_pos.max()) >= self.max_seq_len:
+            raise ValueError(
+                f"x needs {int(tok_pos.max()) + 1} positions but max_seq_len={self.max_seq_len} and the "
+                "learned absolute positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias)")
         if self.pos_emb is not None:
-            h = h + self.pos_emb(torch.arange(n, device=h.device)[None]).to(h.dtype)
+            h = h + self.pos_emb(tok_pos).to(h.dtype)
         h = self.emb_dropout(h)
-        if self.memory_tokens is not None:
+        stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
+        prefix = self.memory_tokens is not None and (state is None or state.length == 0)
+        if prefix:
             h, mask = self.memory_tokens(h, mask)
+            first = torch.arange(self.num_memory_tokens, device=h.device)[None]
+            stack_pos = torch.cat((first.expand(stack_pos.shape[0], -1), stack_pos), dim=1)
         if mems is not None and self.shift_mem_down:
             s = self.shift_mem_down           # layer l reads the memory layer l + s wrote
             mems = list(mems[s:]) + list(mems[:s])
             if isinstance(mem_masks, (list, tuple)):
                 mem_masks = list(mem_masks[s:]) + list(mem_masks[:s])
         out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
-                               mem_masks=mem_masks, return_attn=return_attn,
+                               mem_masks=mem_masks, pos=stack_pos, state=state, return_attn=return_attn,
                                return_intermediates=need_record)
         record = None
         if need_record:
             out, record = out
-        if self.memory_tokens is not None:
-            out = out[:, self.memory_tokens.tokens.shape[0]:]
+        if prefix:
+            out = out[:, self.num_memory_tokens:]
         new_mems = None
         if self.max_mem_len and record is not None:
             new_mems = []
@@ -133,15 +169,18 @@ class TransformerWrapper(SequenceWrapper):
         emb_dropout: dropout after the embedding.
         num_memory_tokens: learned tokens prepended to every sequence (arXiv:2006.11527).
         tie_embedding: output logits use the token embedding matrix.
-        use_abs_pos_emb: learned absolute positions; None (default) turns them off when the stack
+        use_abs_pos_emb: absolute positions on or off; None (default) turns them off when the stack
             carries positions itself (rotary, ALiBi, T5, position-infused).
-        scaled_sinu_pos_emb: sinusoidal absolute positions with one learned scale instead.
+        scaled_sinu_pos_emb: the absolute positions are sinusoids with one learned scale instead of
+            learned vectors (as in x-transformers, it picks the kind; use_abs_pos_emb=False refuses it).
         max_mem_len: Transformer-XL memory length kept by `return_mems`.
         shift_mem_down: route layer l's memory to layer l - shift_mem_down (ERNIE-Doc, arXiv:2012.15688).
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
-    return_embeddings, return_mems, return_attn, return_intermediates) -> logits (b, n, num_tokens),
-    embeddings (b, n, dim), or a pair with the memories / attention maps / Intermediates.
+    return_embeddings, return_mems, return_attn, return_intermediates, pos, state) -> logits
+    (b, n, num_tokens), embeddings (b, n, dim), or a pair with the memories / attention maps /
+    Intermediates. `pos` (b|1, n) overrides the token positions (per-row positions of a left-padded
+    batch); `state` (from `new_state`) makes x a continuation of the cached positions.
     """
 
     @checked_keywords
@@ -177,14 +216,16 @@ class TransformerWrapper(SequenceWrapper):
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
-                return_intermediates: bool = False) -> Any:
+                return_intermediates: bool = False, pos: Tensor | None = None,
+                state: DecodeState | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
-        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn)
+        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
         h = self.token_emb(x)
         if self.project_emb is not None:
             h = self.project_emb(h)
         need = return_mems or return_attn or return_intermediates
-        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn)
+        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
+                                          pos, state)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 
@@ -220,16 +261,18 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
-                return_intermediates: bool = False) -> Any:
+                return_intermediates: bool = False, pos: Tensor | None = None,
+                state: DecodeState | None = None) -> Any:
         checks.floats("x", x, 3, "(batch, seq, dim_in)")
         if x.shape[-1] != self.dim_in:
             raise ValueError(f"x has feature size {x.shape[-1]}, expected dim_in={self.dim_in}")
         if not self.allow_nonfinite:
             checks.finite("x", x)
-        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn)
+        self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
         h = self.project_in(x) if self.project_in is not None else x
         need = return_mems or return_attn or return_intermediates
-        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn)
+        out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
+                                          pos, state)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 

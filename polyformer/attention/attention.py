@@ -16,8 +16,8 @@ from .projection import Projection
 
 
 class Attention(nn.Module):
-    """Self-attention (with `layer`, its index among the stack's self-attention blocks, for XL
-    memories) or cross-attention to `ctx.context` when `cross` is True.
+    """Self-attention or, when `cross` is True, cross-attention to `ctx.context`. `layer` is the
+    block's index among the stack's blocks of its kind (XL memories, decode state).
 
     `shared_bias` is the stack's score-bias module (T5, ALiBi): one per stack, so it is held here
     outside the module tree and registered once, on the stack.
@@ -48,10 +48,14 @@ class Attention(nn.Module):
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn)
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
-        src = context_source(ctx) if self.cross else self_source(x, ctx, self.layer)
-        q, kv = self.project(x, src, ctx.pos)              # q (b, h, i, d); kv.k (b, hk, j, d)
+        if self.cross:
+            q, kv = self.project.queries(x), self.context_kv(ctx)
+        else:
+            q, kv = self.project(x, self_source(x, ctx, self.layer), ctx.pos)   # q (b, h, i, d)
         if self.position is not None:
-            q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)
+            q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)      # rotate before anything is cached
+        if ctx.state is not None and not self.cross:
+            kv = ctx.state.attend(self.layer, kv)                 # every key so far, written in place
         if self.memory_kv is not None:
             kv = self.memory_kv(kv)
         mask, causal = self.keep(ctx, kv)
@@ -61,6 +65,14 @@ class Attention(nn.Module):
         out = self.kernel(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
                           need_weights=ctx.need_weights)
         return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
+
+    def context_kv(self, ctx: Context) -> KV:
+        """Keys / values of the context; a decode state keeps them, so they are computed once."""
+        if ctx.state is None:
+            return self.project.keys_values(context_source(ctx))
+        if self.layer not in ctx.state.cross:
+            ctx.state.cross[self.layer] = self.project.keys_values(context_source(ctx))
+        return ctx.state.cross[self.layer]
 
     def keep(self, ctx: Context, kv: KV) -> tuple[Tensor | None, bool]:
         """The boolean keep-mask (b|1, 1, i, j), or None with causal=True when the pattern is

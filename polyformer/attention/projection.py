@@ -54,9 +54,8 @@ class Projection(nn.Module):
     def forward(self, x: Tensor, src: Source, q_pos: Tensor) -> tuple[Tensor, KV]:
         q_out, k_out, v_out = self.split
         if self.cross:
-            q = self.to_q(x)
-            k, v = self.to_kv(src.x).split((k_out, v_out), dim=-1)
-        elif self.infusion is not None:
+            return self.queries(x), self.keys_values(src)
+        if self.infusion is not None:
             w_qk, w_v = self.to_qkv.weight.split((q_out + k_out, v_out), dim=0)
             q = F.linear(self.infusion(x, q_pos), w_qk[:q_out])
             k = F.linear(self.infusion(src.x, src.pos), w_qk[q_out:])
@@ -66,11 +65,26 @@ class Projection(nn.Module):
         else:   # XL memories precede x in the source: project once, queries are the last rows
             q, k, v = self.to_qkv(src.x).split(self.split, dim=-1)
             q = q[:, -x.shape[1]:]
+        return self._heads_q(q), self._heads_kv(k, v, src)
+
+    def queries(self, x: Tensor) -> Tensor:
+        """Cross-attention queries (b, h, i, d)."""
+        return self._heads_q(self.to_q(x))
+
+    def keys_values(self, src: Source) -> KV:
+        """Cross-attention keys and values of a context; computed once per context when decoding."""
+        k, v = self.to_kv(src.x).split(self.split[1:], dim=-1)
+        return self._heads_kv(k, v, src)
+
+    def _heads_q(self, q: Tensor) -> Tensor:
         if self.mixing is not None:
-            q = q[:, None] * self.mixing[:, None, :]                  # (b, h, i, shared)
+            return q[:, None] * self.mixing[:, None, :]               # (b, h, i, shared)
+        return rearrange(q, "b n (h d) -> b h n d", h=self.heads)
+
+    def _heads_kv(self, k: Tensor, v: Tensor, src: Source) -> KV:
+        if self.mixing is not None:
             k = k[:, None]                                            # (b, 1, j, shared)
         else:
-            q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
             k = rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads)
         v = rearrange(v, "b n (h d) -> b h n d", h=self.v_heads)
-        return q, KV(k=k, v=v, pos=src.pos, mask=src.mask)
+        return KV(k=k, v=v, pos=src.pos, mask=src.mask)

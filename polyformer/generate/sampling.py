@@ -41,6 +41,8 @@ def min_p(logits: Tensor, p: float = 0.1) -> Tensor:
 
 def sample(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
     """(b, v) -> (b,) token ids; temperature 0 is greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = (logits / temperature).softmax(dim=-1)

@@ -1,0 +1,91 @@
+"""The decode state: per-layer key / value storage preallocated for `max_len` positions and written
+in place, with the positions and padding of every cached key, so a cached step sees exactly the
+keys an uncached forward would."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..interfaces import KV
+
+
+class DecodeState:
+    """Everything a decoder needs to continue a batch of sequences one step at a time.
+
+    k, v: (layers, b, hk, max_len, d) written at [length, length + n) by each step.
+    pos, mask: (b, max_len) positions and padding of the cached keys, shared by all layers.
+    cross: per cross-attention block, keys / values of the context, computed once.
+    shift: per token-shifting block, its inputs (b, max_len, dim), so a step can see the previous ones.
+    """
+
+    def __init__(self, layers: int, batch: int, max_len: int, k_heads: int, dim_k: int, v_heads: int,
+                 dim_v: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if max_len < 1 or batch < 1:
+            raise ValueError(f"batch and max_len must be >= 1, got {batch} and {max_len}")
+        self.k = torch.zeros(layers, batch, k_heads, max_len, dim_k, dtype=dtype, device=device)
+        self.v = torch.zeros(layers, batch, v_heads, max_len, dim_v, dtype=dtype, device=device)
+        self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.mask = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0          # positions already committed
+        self.pending = 0         # positions written by the step under way
+        self.cross: dict[int, KV] = {}
+        self.shift: dict[int, Tensor] = {}
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def begin(self, pos: Tensor, mask: Tensor | None) -> None:
+        """Start a step of n = pos.shape[-1] new positions: record their positions and padding."""
+        n = pos.shape[-1]
+        if self.length + n > self.max_len:
+            raise ValueError(f"the decode state holds {self.max_len} positions; {self.length} are used "
+                             f"and this step adds {n}")
+        end = self.length + n
+        self.pos[:, self.length:end] = pos.expand(self.batch, -1)
+        self.mask[:, self.length:end] = True if mask is None else mask
+        self.pending = n
+
+    def attend(self, layer: int, kv: KV) -> KV:
+        """Write this step's keys / values of `layer`, return every cached key so far."""
+        start, end = self.length, self.length + self.pending
+        self.k[layer, :, :, start:end] = kv.k
+        self.v[layer, :, :, start:end] = kv.v
+        return KV(k=self.k[layer, :, :, :end], v=self.v[layer, :, :, :end], pos=self.pos[:, :end],
+                  mask=self.mask[:, :end])
+
+    def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
+        """Record block's inputs h (b, n, dim) for this step; return them preceded by up to `reach`
+        earlier inputs, with the padding mask of that window."""
+        if block not in self.shift:
+            self.shift[block] = h.new_zeros(self.batch, self.max_len, h.shape[-1])
+        start, end = self.length, self.length + self.pending
+        self.shift[block][:, start:end] = h
+        first = max(0, start - reach)
+        return self.shift[block][:, first:end], self.mask[:, first:end]
+
+    def commit(self) -> None:
+        self.length += self.pending
+        self.pending = 0
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n positions (rejected speculative tokens)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} positions of {self.length}")
+        self.length -= n
+
+    def reorder(self, indices: Tensor) -> None:
+        """Keep batch rows `indices` (beam search), in that order."""
+        self.k = self.k.index_select(1, indices)
+        self.v = self.v.index_select(1, indices)
+        self.pos = self.pos.index_select(0, indices)
+        self.mask = self.mask.index_select(0, indices)
+        self.cross = {i: KV(kv.k.index_select(0, indices), kv.v.index_select(0, indices), kv.pos,
+                            None if kv.mask is None else kv.mask.index_select(0, indices), kv.free)
+                      for i, kv in self.cross.items()}
+        self.shift = {i: h.index_select(0, indices) for i, h in self.shift.items()}
