@@ -1,5 +1,6 @@
 """polyformer: one PyTorch library for the transformer family."""
 
+from .build import build_model, model_config
 from .config import AttentionConfig, FeedForwardConfig, LayersConfig
 from .encoder_decoder import XTransformer
 from .generate.decode import AutoregressiveWrapper
@@ -9,6 +10,6 @@ from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransf
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousTransformerWrapper",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
-    "TransformerWrapper", "ViTransformerWrapper", "XTransformer",
+    "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
 ]
 __version__ = "0.1.0"

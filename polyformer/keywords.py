@@ -170,7 +170,8 @@ def _build(values: dict[str, Any]) -> LayersConfig:
 
 
 def checked_keywords(init: Callable) -> Callable:
-    """Make a constructor refuse unknown keywords with the closest valid names."""
+    """Make a constructor refuse unknown keywords with the closest valid names, and keep the
+    keywords it was called with as `self.init_args` (see `build.model_config`)."""
     params = inspect.signature(init).parameters
     valid = [p for p in params if p != "self"]
 
@@ -180,5 +181,6 @@ def checked_keywords(init: Callable) -> Callable:
             if name not in params:
                 raise unknown_keyword(name, valid, type(self).__name__)
         init(self, *args, **kwargs)
+        self.init_args = dict(kwargs)
 
     return wrapper
