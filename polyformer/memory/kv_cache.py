@@ -79,6 +79,16 @@ class DecodeState:
             raise ValueError(f"cannot roll back {n} positions of {self.length}")
         self.length -= n
 
+    def clone(self) -> "DecodeState":
+        """An independent copy (e.g. one cached prompt, many continuations)."""
+        new = DecodeState.__new__(DecodeState)
+        new.k, new.v = self.k.clone(), self.v.clone()
+        new.pos, new.mask = self.pos.clone(), self.mask.clone()
+        new.length, new.pending = self.length, self.pending
+        new.cross = dict(self.cross)          # context keys are never written after they are made
+        new.shift = {i: h.clone() for i, h in self.shift.items()}
+        return new
+
     def reorder(self, indices: Tensor) -> None:
         """Keep batch rows `indices` (beam search), in that order."""
         self.k = self.k.index_select(1, indices)
