@@ -1,23 +1,34 @@
-"""`AutoregressiveWrapper`: next-token loss and sampling for a token decoder."""
+"""`AutoregressiveWrapper`: next-token loss, and generation as a thin loop over a decode state."""
 
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
+from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
-from .sampling import sample
+from .sampling import Sampler
+
+
+def left_padded_positions(mask: Tensor | None) -> Tensor | None:
+    """Per-row positions that start at each row's first kept token: (b, n), or None for no mask."""
+    if mask is None:
+        return None
+    return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 class AutoregressiveWrapper(nn.Module):
     """Wraps a `TransformerWrapper` with a causal stack.
 
     forward(x (b, n), mask=None, context=None, context_mask=None) -> mean next-token cross-entropy
-    of predicting x[:, 1:] from x[:, :-1]; targets equal to `ignore_index` do not count.
+    of predicting x[:, 1:] from x[:, :-1]. `mask` controls attention, `ignore_index` controls the
+    loss: targets equal to ignore_index do not count (a warning says when a masked position's
+    target still counts).
     """
 
     def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0):
@@ -37,102 +48,143 @@ class AutoregressiveWrapper(nn.Module):
             raise ValueError(f"x must have shape (batch, seq) with seq >= 2, got {tuple(x.shape)}")
         inp, target = x[:, :-1], x[:, 1:]
         if mask is not None:
+            checks.bool_mask("mask", mask, tuple(x.shape), "(batch, seq)")
+            counted = ~mask[:, 1:] & (target != self.ignore_index)
+            if bool(counted.any()):
+                warnings.warn("mask hides positions whose targets still count in the loss; set those "
+                              f"targets to ignore_index={self.ignore_index} to leave them out", stacklevel=2)
             mask = mask[:, :-1]
         logits = self.net(inp, mask=mask, context=context, context_mask=context_mask)
         return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index)
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, seq_len: int, eos_token: int | None = None,
-                 temperature: float = 1.0, filter_logits_fn: Callable[..., Tensor] | None = None,
-                 filter_kwargs: dict | None = None, cache_kv: bool = True, mask: Tensor | None = None,
-                 context: Tensor | None = None, context_mask: Tensor | None = None,
-                 generator: torch.Generator | None = None) -> Tensor:
+                 temperature: float = 1.0, filter_logits_fn: Callable | list | None = None,
+                 filter_kwargs: dict | list | None = None, cache_kv: bool = True,
+                 mask: Tensor | None = None, context: Tensor | None = None,
+                 context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
+                 state: DecodeState | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Sample `seq_len` tokens after `prompts` (b, n); returns (b, seq_len).
 
-        mask: (b, n) bool for left-padded prompts of different lengths; each row's positions then
-        start at its first kept token, so a row generates what its prompt alone would.
-        temperature 0 is greedy. filter_logits_fn(logits, **filter_kwargs), e.g. `top_k`, `top_p`.
-        After `eos_token` a row continues with `pad_value`. With cache_kv (the default) every step
-        runs only the new token against a preallocated decode state.
+        Args:
+            prompts: (b, n) token ids; with `mask` (b, n) bool, left-padded prompts of different
+                lengths: each row's positions start at its first kept token, so a row generates
+                exactly what its prompt alone would.
+            temperature: 0 is greedy.
+            filter_logits_fn / filter_kwargs: one filter (`top_k`, `top_p`, `min_p`) or a list,
+                applied in order after the repetition penalty.
+            eos_token: a row that produced it continues with `pad_value`.
+            cache_kv: run each step on the new token only, against a preallocated decode state.
+            state: a decode state to continue (see `new_state`); it holds every token fed so far.
+                The last generated token is not in it yet, so a continuation passes that token
+                (and any new text) as its `prompts`: two calls that carry the state equal one
+                longer call. Without learned absolute positions a full state slides: the oldest
+                positions (after memory tokens) leave the window.
         """
+        return torch.stack(list(self.stream(
+            prompts, seq_len, eos_token=eos_token, temperature=temperature, filter_logits_fn=filter_logits_fn,
+            filter_kwargs=filter_kwargs, cache_kv=cache_kv, mask=mask, context=context,
+            context_mask=context_mask, repetition_penalty=repetition_penalty, state=state,
+            generator=generator, pad_to_length=True)), dim=1)
+
+    @torch.no_grad()
+    def stream(self, prompts: Tensor, seq_len: int, eos_token: int | None = None, temperature: float = 1.0,
+               filter_logits_fn: Callable | list | None = None, filter_kwargs: dict | list | None = None,
+               cache_kv: bool = True, mask: Tensor | None = None, context: Tensor | None = None,
+               context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
+               state: DecodeState | None = None, generator: torch.Generator | None = None,
+               pad_to_length: bool = False) -> Iterator[Tensor]:
+        """`generate`, one step at a time: yields each new (b,) token as soon as it is chosen; stops
+        early when every row has produced `eos_token` (unless pad_to_length)."""
         checks.token_ids(prompts, self.net.num_tokens, "prompts")
         b, n = prompts.shape
         if not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         if mask is not None:
             checks.bool_mask("mask", mask, (b, n), "(batch, prompt_len)")
         if self.net.bounded and n > self.max_seq_len:
             raise ValueError(f"prompts have {n} tokens but the model's learned positions stop at "
                              f"max_seq_len={self.max_seq_len}")
-        kwargs = filter_kwargs or {}
-        if kwargs and filter_logits_fn is None:
-            raise ValueError("filter_kwargs were given without a filter_logits_fn to receive them")
-        if filter_logits_fn is not None:      # refuse bad filter arguments before any compute
-            filter_logits_fn(torch.zeros(1, self.net.num_tokens), **kwargs)
-
-        def pick(logits: Tensor) -> Tensor:
-            if filter_logits_fn is not None:
-                logits = filter_logits_fn(logits, **kwargs)
-            return sample(logits, temperature, generator)
+        if state is not None and not cache_kv:
+            raise ValueError("a decode state is only used with cache_kv=True")
+        sampler = Sampler(temperature, filter_logits_fn, filter_kwargs, repetition_penalty, generator)
+        sampler.check(self.net.num_tokens)
+        seen = None
+        if repetition_penalty != 1.0:
+            seen = torch.zeros(b, self.net.num_tokens, dtype=torch.bool, device=prompts.device)
+            seen.scatter_(1, prompts, mask if mask is not None else True)
 
         was_training = self.net.training
         self.net.eval()
         try:
             fits = not self.net.bounded or n + seq_len <= self.max_seq_len
-            if cache_kv and fits:
-                tokens = self._cached(prompts, mask, seq_len, pick, eos_token, context, context_mask)
+            if cache_kv and (fits or state is not None):
+                steps = self._cached(prompts, mask, seq_len, context, context_mask, state)
             else:
-                tokens = self._recomputed(prompts, mask, seq_len, pick, eos_token, context, context_mask)
+                steps = self._recomputed(prompts, mask, context, context_mask)
+            done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
+            produced = 0
+            logits = next(steps)
+            while True:
+                token = sampler(logits, seen)
+                if eos_token is not None:
+                    token = token.masked_fill(done, self.pad_value)
+                    done |= token == eos_token
+                if seen is not None:
+                    seen.scatter_(1, token[:, None], True)
+                produced += 1
+                yield token
+                if produced == seq_len or (eos_token is not None and bool(done.all())):
+                    break
+                logits = steps.send(token)
+            if pad_to_length:
+                for _ in range(seq_len - produced):
+                    yield torch.full((b,), self.pad_value, dtype=prompts.dtype, device=prompts.device)
         finally:
             self.net.train(was_training)
-        return tokens
 
-    def _finish_step(self, token: Tensor, done: Tensor, eos_token: int | None) -> Tensor:
-        if eos_token is not None:
-            token = token.masked_fill(done, self.pad_value)
-            done |= token == eos_token
-        return token
+    def new_state(self, batch: int, max_len: int) -> DecodeState:
+        return self.net.new_state(batch, max_len)
 
-    def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, pick: Callable[[Tensor], Tensor],
-                eos_token: int | None, context: Tensor | None, context_mask: Tensor | None) -> Tensor:
+    def _feed(self, x: Tensor, state: DecodeState, **kwargs) -> Tensor:
+        """Run new tokens against the state; slide the window first when a relative-position
+        model's state is full."""
+        room = state.max_len - state.length
+        if x.shape[1] > room and not self.net.bounded:
+            keep = self.net.num_memory_tokens
+            window = state.max_len - keep
+            if x.shape[1] > window:
+                raise ValueError(f"{x.shape[1]} new tokens do not fit a decode state of {window} positions")
+            state.slide(max(x.shape[1] - room, window // 4), keep=keep)
+        return self.net(x, state=state, **kwargs)
+
+    def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
+                context_mask: Tensor | None, state: DecodeState | None):
+        """Yields next-token logits (b, v); is sent each chosen token."""
         b, n = prompts.shape
-        state = self.net.new_state(b, n + seq_len)
-        logits = self.net(prompts, mask=mask, pos=left_padded_positions(mask), context=context,
-                          context_mask=context_mask, state=state)[:, -1]
-        out = prompts.new_full((b, seq_len), self.pad_value)
-        done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
-        for t in range(seq_len):
-            out[:, t] = self._finish_step(pick(logits), done, eos_token)
-            if t == seq_len - 1 or (eos_token is not None and bool(done.all())):
-                break
-            logits = self.net(out[:, t: t + 1], context=context, context_mask=context_mask, state=state)[:, -1]
-        return out
+        if state is None:
+            length = n + seq_len
+            if not self.net.bounded:
+                length = min(length, max(n, self.max_seq_len))
+            state = self.net.new_state(b, length)
+        pos = left_padded_positions(mask) if state.length == 0 else None
+        logits = self._feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
+        while True:
+            token = yield logits
+            logits = self._feed(token[:, None], state, context=context, context_mask=context_mask)[:, -1]
 
-    def _recomputed(self, prompts: Tensor, mask: Tensor | None, seq_len: int, pick: Callable[[Tensor], Tensor],
-                    eos_token: int | None, context: Tensor | None, context_mask: Tensor | None) -> Tensor:
-        b, n = prompts.shape
+    def _recomputed(self, prompts: Tensor, mask: Tensor | None, context: Tensor | None,
+                    context_mask: Tensor | None):
+        """Without a cache: every step runs the whole sequence (the last max_seq_len tokens when
+        positions are learned)."""
         seq = prompts
         keep = mask if mask is not None else torch.ones_like(prompts, dtype=torch.bool)
-        done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
-        for _ in range(seq_len):
+        while True:
             window, window_keep = seq, keep
-            if self.net.bounded:       # learned positions: the last max_seq_len tokens
+            if self.net.bounded:
                 window, window_keep = seq[:, -self.max_seq_len:], keep[:, -self.max_seq_len:]
             logits = self.net(window, mask=window_keep, pos=left_padded_positions(window_keep),
                               context=context, context_mask=context_mask)[:, -1]
-            token = self._finish_step(pick(logits), done, eos_token)
+            token = yield logits
             seq = torch.cat((seq, token[:, None]), dim=1)
             keep = F.pad(keep, (0, 1), value=True)
-            if eos_token is not None and bool(done.all()):
-                break
-        out = seq[:, n:]
-        return F.pad(out, (0, seq_len - out.shape[1]), value=self.pad_value)
-
-
-def left_padded_positions(mask: Tensor | None) -> Tensor | None:
-    """Per-row positions that start at each row's first kept token: (b, n) or None for no mask."""
-    if mask is None:
-        return None
-    return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)

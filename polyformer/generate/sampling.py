@@ -3,6 +3,8 @@ entries at -inf."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -47,3 +49,55 @@ def sample(logits: Tensor, temperature: float, generator: torch.Generator | None
         return logits.argmax(dim=-1)
     probs = (logits / temperature).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL's penalty (arXiv:1909.05858): logits of tokens already in the sequence (`seen`, (b, v)
+    bool) are divided by `penalty` when positive and multiplied by it when negative."""
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+class Sampler:
+    """Turns next-token logits into tokens: repetition penalty, then each filter in order, then
+    sampling at `temperature` (0 = greedy). Filters are given as one callable or a list, with one
+    kwargs dict or a list of them, e.g. `[top_k, top_p]` with `[{"k": 50}, {"p": 0.9}]`."""
+
+    def __init__(self, temperature: float = 1.0, filter_logits_fn: Callable | list | None = None,
+                 filter_kwargs: dict | list | None = None, repetition_penalty: float = 1.0,
+                 generator: torch.Generator | None = None):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        fns = [] if filter_logits_fn is None else (
+            list(filter_logits_fn) if isinstance(filter_logits_fn, (list, tuple)) else [filter_logits_fn])
+        if filter_kwargs is None:
+            kwargs: list[dict] = [{} for _ in fns]
+        elif isinstance(filter_kwargs, dict):
+            kwargs = [filter_kwargs] if fns else []
+            if not fns and filter_kwargs:
+                raise ValueError("filter_kwargs were given without a filter_logits_fn to receive them")
+        else:
+            kwargs = list(filter_kwargs)
+        if len(kwargs) != len(fns):
+            raise ValueError(f"filter_kwargs needs one dict per filter: {len(fns)} filters, {len(kwargs)} dicts")
+        self.filters = list(zip(fns, kwargs))
+        self.temperature = temperature
+        self.penalty = repetition_penalty
+        self.generator = generator
+
+    def check(self, num_tokens: int) -> None:
+        """Run the filters once on dummy logits, so bad filter arguments fail before any compute."""
+        logits = torch.zeros(1, num_tokens)
+        for fn, kw in self.filters:
+            fn(logits, **kw)
+
+    def __call__(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
+        if self.penalty != 1.0 and seen is not None:
+            logits = repetition_penalty(logits, seen, self.penalty)
+        for fn, kw in self.filters:
+            logits = fn(logits, **kw)
+        return sample(logits, self.temperature, self.generator)

@@ -79,6 +79,22 @@ class DecodeState:
             raise ValueError(f"cannot roll back {n} positions of {self.length}")
         self.length -= n
 
+    def slide(self, n: int, keep: int = 0) -> None:
+        """Drop the n oldest positions after the first `keep` (memory tokens stay as attention
+        sinks), moving the rest down in place: a sliding window over the cache."""
+        if not 0 <= n <= self.length - keep:
+            raise ValueError(f"cannot slide {n} positions out of {self.length - keep}")
+        if n == 0:
+            return
+        src, dst = slice(keep + n, self.length), slice(keep, self.length - n)
+        self.k[:, :, :, dst] = self.k[:, :, :, src].clone()
+        self.v[:, :, :, dst] = self.v[:, :, :, src].clone()
+        self.pos[:, dst] = self.pos[:, src].clone()
+        self.mask[:, dst] = self.mask[:, src].clone()
+        for history in self.shift.values():
+            history[:, dst] = history[:, src].clone()
+        self.length -= n
+
     def clone(self) -> "DecodeState":
         """An independent copy (e.g. one cached prompt, many continuations)."""
         new = DecodeState.__new__(DecodeState)
