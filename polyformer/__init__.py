@@ -3,12 +3,16 @@
 from .build import build_model, model_config
 from .config import AttentionConfig, FeedForwardConfig, LayersConfig
 from .encoder_decoder import XTransformer
+from .generate.continuous import ContinuousAutoregressiveWrapper
 from .generate.decode import AutoregressiveWrapper
+from .generate.sampling import min_p, top_k, top_p
+from .generate.xl import XLAutoregressiveWrapper
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder, Intermediates
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
 
 __all__ = [
-    "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousTransformerWrapper",
+    "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
+    "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_k", "top_p",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
 ]

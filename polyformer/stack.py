@@ -67,7 +67,7 @@ class Block(nn.Module):
                 window, window_mask = ctx.state.shift_window(self.index, h, self.shift.reach)
                 h = self.shift(window, window_mask)[:, -h.shape[1]:]
             else:
-                h = self.shift(h, ctx.mask)
+                h = self.shift(h, ctx.shift_mask)
         attn = None
         if self.kind == "f":
             y = self.branch(h)
@@ -97,6 +97,8 @@ class AttentionLayers(nn.Module):
         pos: (b|1, n) positions of x; default m, m+1, ... after the memories, or after the cache.
         state: a `DecodeState` (from `new_state`): keys and values of earlier steps are read from it
             and this step's are written to it; x holds only the new positions.
+        prefix: the first `prefix` positions of x are memory tokens: attended to like the others,
+            but token shift does not move their features into the text.
         return_attn: keep the attention weights (forces the reference path); returns
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
@@ -197,7 +199,7 @@ class AttentionLayers(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
-                state: DecodeState | None = None, return_attn: bool = False,
+                state: DecodeState | None = None, prefix: int = 0, return_attn: bool = False,
                 return_intermediates: bool = False) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if state is not None:
@@ -206,10 +208,15 @@ class AttentionLayers(nn.Module):
             mem_masks = [mem_masks] * self.num_self_attn
         if pos is None:
             pos = self.next_positions(x.shape[1], mems, state, x.device)
+        shift_mask = mask
+        if prefix:
+            shift_mask = mask.clone() if mask is not None else x.new_ones(x.shape[:2], dtype=torch.bool)
+            shift_mask[:, :prefix] = False
         ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
-                      mems=mems, mem_masks=mem_masks, need_weights=return_attn, state=state)
+                      mems=mems, mem_masks=mem_masks, need_weights=return_attn, shift_mask=shift_mask,
+                      state=state)
         if state is not None:
-            state.begin(pos, mask)
+            state.begin(pos, mask, prefix)
         record = Intermediates()
         prev = {"a": None, "c": None}
         for block in self.blocks:

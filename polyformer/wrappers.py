@@ -129,7 +129,8 @@ class SequenceWrapper(nn.Module):
             if isinstance(mem_masks, (list, tuple)):
                 mem_masks = list(mem_masks[s:]) + list(mem_masks[:s])
         out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
-                               mem_masks=mem_masks, pos=stack_pos, state=state, return_attn=return_attn,
+                               mem_masks=mem_masks, pos=stack_pos, state=state,
+                               prefix=self.num_memory_tokens if prefix else 0, return_attn=return_attn,
                                return_intermediates=need_record)
         record = None
         if need_record:

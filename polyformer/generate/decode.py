@@ -22,6 +22,31 @@ def left_padded_positions(mask: Tensor | None) -> Tensor | None:
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def sample_steps(steps, sampler: Sampler, seq_len: int, eos_token: int | None, pad_value: int,
+                 seen: Tensor | None, pad_to_length: bool) -> Iterator[Tensor]:
+    """Drive a step generator (yields next-token logits (b, v), is sent each chosen token): yields
+    tokens (b,); rows past `eos_token` get `pad_value`; stops at seq_len or when all rows ended."""
+    logits = next(steps)
+    b = logits.shape[0]
+    done = torch.zeros(b, dtype=torch.bool, device=logits.device)
+    produced = 0
+    while True:
+        token = sampler(logits, seen)
+        if eos_token is not None:
+            token = token.masked_fill(done, pad_value)
+            done |= token == eos_token
+        if seen is not None:
+            seen.scatter_(1, token[:, None], True)
+        produced += 1
+        yield token
+        if produced == seq_len or (eos_token is not None and bool(done.all())):
+            break
+        logits = steps.send(token)
+    if pad_to_length:
+        for _ in range(seq_len - produced):
+            yield torch.full((b,), pad_value, dtype=torch.long, device=logits.device)
+
+
 class AutoregressiveWrapper(nn.Module):
     """Wraps a `TransformerWrapper` with a causal stack.
 
@@ -122,24 +147,7 @@ class AutoregressiveWrapper(nn.Module):
                 steps = self._cached(prompts, mask, seq_len, context, context_mask, state)
             else:
                 steps = self._recomputed(prompts, mask, context, context_mask)
-            done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
-            produced = 0
-            logits = next(steps)
-            while True:
-                token = sampler(logits, seen)
-                if eos_token is not None:
-                    token = token.masked_fill(done, self.pad_value)
-                    done |= token == eos_token
-                if seen is not None:
-                    seen.scatter_(1, token[:, None], True)
-                produced += 1
-                yield token
-                if produced == seq_len or (eos_token is not None and bool(done.all())):
-                    break
-                logits = steps.send(token)
-            if pad_to_length:
-                for _ in range(seq_len - produced):
-                    yield torch.full((b,), self.pad_value, dtype=prompts.dtype, device=prompts.device)
+            yield from sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length)
         finally:
             self.net.train(was_training)
 

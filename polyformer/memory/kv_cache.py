@@ -28,6 +28,7 @@ class DecodeState:
         self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.mask = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0          # positions already committed
+        self.prefix = 0          # leading positions that are memory tokens, not text
         self.pending = 0         # positions written by the step under way
         self.cross: dict[int, KV] = {}
         self.shift: dict[int, Tensor] = {}
@@ -40,8 +41,9 @@ class DecodeState:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def begin(self, pos: Tensor, mask: Tensor | None) -> None:
-        """Start a step of n = pos.shape[-1] new positions: record their positions and padding."""
+    def begin(self, pos: Tensor, mask: Tensor | None, prefix: int = 0) -> None:
+        """Start a step of n = pos.shape[-1] new positions: record their positions and padding;
+        `prefix` of them (first step only) are memory tokens."""
         n = pos.shape[-1]
         if self.length + n > self.max_len:
             raise ValueError(f"the decode state holds {self.max_len} positions; {self.length} are used "
@@ -49,6 +51,10 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
+        if prefix:
+            if self.length:
+                raise ValueError("memory tokens can only start a decode state")
+            self.prefix = prefix
         self.pending = n
 
     def attend(self, layer: int, kv: KV) -> KV:
@@ -61,13 +67,17 @@ class DecodeState:
 
     def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
         """Record block's inputs h (b, n, dim) for this step; return them preceded by up to `reach`
-        earlier inputs, with the padding mask of that window."""
+        earlier inputs, with the mask of that window (padding and memory tokens are not text)."""
         if block not in self.shift:
             self.shift[block] = h.new_zeros(self.batch, self.max_len, h.shape[-1])
         start, end = self.length, self.length + self.pending
         self.shift[block][:, start:end] = h
         first = max(0, start - reach)
-        return self.shift[block][:, first:end], self.mask[:, first:end]
+        text = self.mask[:, first:end]
+        if self.prefix > first:
+            text = text.clone()
+            text[:, : self.prefix - first] = False
+        return self.shift[block][:, first:end], text
 
     def commit(self) -> None:
         self.length += self.pending
@@ -100,7 +110,7 @@ class DecodeState:
         new = DecodeState.__new__(DecodeState)
         new.k, new.v = self.k.clone(), self.v.clone()
         new.pos, new.mask = self.pos.clone(), self.mask.clone()
-        new.length, new.pending = self.length, self.pending
+        new.length, new.pending, new.prefix = self.length, self.pending, self.prefix
         new.cross = dict(self.cross)          # context keys are never written after they are made
         new.shift = {i: h.clone() for i, h in self.shift.items()}
         return new

@@ -1,0 +1,250 @@
+"""Prompt caching: the decode state of a fixed prompt, computed once, saved to one safetensors file
+with the config of the model it belongs to, and loaded for many continuations.
+
+    state = net.new_state(1, len(prompt)); net(prompt, state=state)
+    save_prompt_cache("seed.safetensors", net, state, prompt)
+    ...
+    state, prompt = load_prompt_cache("seed.safetensors", net, max_len=len(prompt) + 256)
+    logits = next_token_logits(net, state, prompt)       # (b, num_tokens), then continue as usual
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import checks
+from ..build import model_config
+from ..interfaces import KV
+from ..memory.kv_cache import DecodeState
+from ..wrappers import TransformerWrapper
+
+try:
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file, save_file
+except ImportError:  # pragma: no cover - exercised only without the optional extra
+    safe_open = load_file = save_file = None
+    SafetensorError = OSError
+
+FORMAT = "polyformer.prompt_cache"
+VERSION = 1
+
+
+def _need_safetensors() -> None:
+    if save_file is None:
+        raise ImportError("prompt caching needs safetensors: pip install 'polyformer[cache]' (or safetensors)")
+
+
+def _unwrap(net: nn.Module) -> TransformerWrapper:
+    inner = getattr(net, "net", net)       # an AutoregressiveWrapper holds its TransformerWrapper as .net
+    if not isinstance(inner, TransformerWrapper):
+        raise TypeError(f"net must be a TransformerWrapper or an AutoregressiveWrapper, got {type(net).__name__}")
+    return inner
+
+
+def _config_json(net: TransformerWrapper) -> str:
+    return json.dumps(model_config(net), sort_keys=True, separators=(",", ":"))
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _differences(saved: Any, current: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """(path, description) of every place two configs differ; path[0] is the top-level field."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current), key=str):
+            where = path + (str(key),)
+            if key not in saved or key not in current:
+                out.append((where, f"{'.'.join(where)} only in the {'saved' if key in saved else 'current'} model"))
+            else:
+                out.extend(_differences(saved[key], current[key], where))
+        return out
+    return [] if saved == current else [(path, f"{'.'.join(path)}: saved {saved!r}, this model {current!r}")]
+
+
+def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The committed part of the state as named contiguous tensors, and how to put it back."""
+    n = state.length
+
+    def own(x: Tensor) -> Tensor:       # a contiguous copy: slices of the preallocated storage
+        return x.detach().clone(memory_format=torch.contiguous_format)
+
+    tensors = {"k": own(state.k[:, :, :, :n]), "v": own(state.v[:, :, :, :n]),
+               "pos": own(state.pos[:, :n]), "mask": own(state.mask[:, :n])}
+    for i, h in state.shift.items():
+        tensors[f"shift.{i}"] = own(h[:, :n])
+    cross = {}
+    for i, kv in state.cross.items():
+        tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"] = own(kv.k), own(kv.v)
+        if kv.pos is not None:
+            tensors[f"cross.{i}.pos"] = own(kv.pos)
+        if kv.mask is not None:
+            tensors[f"cross.{i}.mask"] = own(kv.mask)
+        cross[str(i)] = kv.free
+    return tensors, {"shift": sorted(state.shift), "cross": cross}
+
+
+def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeState, prompt: Tensor) -> None:
+    """Write the decode state of `prompt` to one safetensors file, atomically.
+
+    Args:
+        path: the file to write; replaced only once the new file is complete (temp file in the same
+            directory, then `os.replace`), so a failed save leaves no file and no temp file behind.
+        net: the `TransformerWrapper` (or `AutoregressiveWrapper`) that computed the state.
+        state: a `DecodeState` after `net(prompt, state=state)`: (b, length) committed positions.
+        prompt: (b, n) the token ids that were run, n = state.length - num_memory_tokens.
+
+    The file holds k, v, pos, mask of the committed positions, the token-shift histories and the
+    cross-attention keys / values, with metadata: the model's config JSON and its sha256, the
+    state's length, the prompt ids and the format version.
+    """
+    _need_safetensors()
+    net = _unwrap(net)
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
+    prompt = checks.token_ids(prompt, net.num_tokens, "prompt")
+    if state.pending:
+        raise ValueError("state has a step under way (pending positions): save it between steps")
+    n = state.length - net.num_memory_tokens
+    if tuple(prompt.shape) != (state.batch, n):
+        raise ValueError(f"prompt must have shape (state batch, cached tokens) = ({state.batch}, {n}), "
+                         f"got {tuple(prompt.shape)}")
+    if state.k.shape[0] != net.attn_layers.num_self_attn:
+        raise ValueError(f"state holds {state.k.shape[0]} layers, the model has {net.attn_layers.num_self_attn} "
+                         "self-attention blocks: it was made for another model")
+    tensors, layout = _tensors(state)
+    config = _config_json(net)
+    metadata = {"format": FORMAT, "version": str(VERSION), "config": config, "config_sha256": _sha256(config),
+                "length": str(state.length), "prompt": json.dumps(prompt.tolist()),
+                "layout": json.dumps(layout)}
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:             # on disk before it takes the name
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _corrupt(path: Path, why: str) -> ValueError:
+    return ValueError(f"prompt cache {str(path)!r} is corrupt or truncated: {why}")
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt cache {str(path)!r} does not exist (or is not a file)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        raise _corrupt(path, str(error)) from error
+
+
+def _read_tensors(path: Path, device: torch.device) -> dict[str, Tensor]:
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        raise _corrupt(path, str(error)) from error
+
+
+def load_prompt_cache(path: str | os.PathLike, net: nn.Module, max_len: int) -> tuple[DecodeState, Tensor]:
+    """Load a prompt cache written by `save_prompt_cache` for `net`.
+
+    Args:
+        path: the safetensors file.
+        net: the model to continue with; its config must equal the one the cache was saved for.
+        max_len: tokens the new state holds, prompt included (as `net.new_state`); >= prompt length.
+
+    Returns:
+        (state, prompt): a fresh `DecodeState` (b rows) holding the cached positions, and the
+        prompt ids (b, n). Continue with `next_token_logits(net, state, prompt)`; `state.clone()`
+        gives independent copies for several continuations.
+
+    Raises FileNotFoundError for a missing file, ValueError for a file saved for another model
+    config (naming the differing fields) or a corrupt / truncated one (naming the path).
+    """
+    _need_safetensors()
+    net = _unwrap(net)
+    path = Path(path)
+    param = next(net.parameters())
+    metadata = _read_metadata(path)         # refuse a wrong file before reading its tensors
+    if metadata.get("format") != FORMAT:
+        raise _corrupt(path, f"no {FORMAT!r} metadata (not a prompt cache)")
+    if metadata.get("version") != str(VERSION):
+        raise ValueError(f"prompt cache {str(path)!r} has format version {metadata.get('version')!r}; "
+                         f"this polyformer reads version {VERSION}")
+    try:
+        saved_json, length = metadata["config"], int(metadata["length"])
+        if _sha256(saved_json) != metadata["config_sha256"]:
+            raise ValueError("config does not match its sha256")
+        saved_config = json.loads(saved_json)
+        prompt = torch.tensor(json.loads(metadata["prompt"]), dtype=torch.long, device=param.device)
+        layout = json.loads(metadata["layout"])
+    except (KeyError, ValueError, TypeError) as error:
+        raise _corrupt(path, f"bad metadata ({error})") from error
+    current = model_config(net)
+    if json.loads(json.dumps(current)) != saved_config:
+        diff = _differences(saved_config, json.loads(json.dumps(current)))
+        fields = sorted({where[0] for where, _ in diff if where})
+        details = "; ".join(text for _, text in diff[:5]) + (" ..." if len(diff) > 5 else "")
+        raise ValueError(f"prompt cache {str(path)!r} was saved for another model: top-level config fields "
+                         f"{', '.join(fields)} differ ({details})")
+    tensors = _read_tensors(path, param.device)
+    return _rebuild(path, net, tensors, layout, length, prompt, max_len), prompt
+
+
+def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], layout: dict[str, Any],
+             length: int, prompt: Tensor, max_len: int) -> DecodeState:
+    try:
+        k, v, pos, mask = tensors["k"], tensors["v"], tensors["pos"], tensors["mask"]
+    except KeyError as error:
+        raise _corrupt(path, f"tensor {error} is missing") from error
+    b = k.shape[1] if k.ndim == 5 else -1
+    n = length - net.num_memory_tokens
+    if (k.ndim != 5 or v.ndim != 5 or k.shape[3] != length or v.shape[:4] != k.shape[:4]
+            or tuple(pos.shape) != (b, length) or tuple(mask.shape) != (b, length) or mask.dtype != torch.bool
+            or tuple(prompt.shape) != (b, n)):
+        raise _corrupt(path, f"tensor shapes do not agree with length {length}")
+    if not isinstance(max_len, int) or max_len < n:
+        raise ValueError(f"max_len must be an integer >= the cached prompt length ({n}), got {max_len!r}")
+    state = net.new_state(b, max_len, dtype=k.dtype, device=k.device)
+    if state.k.shape[:3] + state.k.shape[4:] != k.shape[:3] + k.shape[4:] or state.v.shape[4] != v.shape[4]:
+        raise _corrupt(path, f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit this model")
+    state.k[:, :, :, :length], state.v[:, :, :, :length] = k, v
+    state.pos[:, :length], state.mask[:, :length] = pos, mask
+    for i in layout.get("shift", []):
+        h = tensors.get(f"shift.{i}")
+        if h is None or h.ndim != 3 or tuple(h.shape[:2]) != (b, length):
+            raise _corrupt(path, f"token-shift history {i} is missing or has the wrong shape")
+        state.shift[int(i)] = h.new_zeros(b, state.max_len, h.shape[-1])
+        state.shift[int(i)][:, :length] = h
+    for i, free in layout.get("cross", {}).items():
+        if f"cross.{i}.k" not in tensors or f"cross.{i}.v" not in tensors:
+            raise _corrupt(path, f"cross-attention keys / values {i} are missing")
+        state.cross[int(i)] = KV(tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"], tensors.get(f"cross.{i}.pos"),
+                                 tensors.get(f"cross.{i}.mask"), int(free))
+    state.length = length
+    return state
+
+
+def next_token_logits(net: nn.Module, state: DecodeState, prompt: Tensor, context: Tensor | None = None,
+                      context_mask: Tensor | None = None) -> Tensor:
+    """Logits (b, num_tokens) of the token after the cached prompt, which the state does not keep:
+    the last cached position is rolled back and run again (one token of compute)."""
+    net = _unwrap(net)
+    state.rollback(1)
+    return net(prompt[:, -1:], context=context, context_mask=context_mask, state=state)[:, -1]
