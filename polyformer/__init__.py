@@ -4,7 +4,9 @@ from .build import build_model, model_config
 from .config import AttentionConfig, FeedForwardConfig, LayersConfig
 from .encoder_decoder import XTransformer
 from .generate.continuous import ContinuousAutoregressiveWrapper
+from .generate.beam import BeamResult, beam_search
 from .generate.decode import AutoregressiveWrapper
+from .generate.prompt_cache import load_prompt_cache, next_token_logits, save_prompt_cache
 from .generate.sampling import min_p, top_k, top_p
 from .generate.xl import XLAutoregressiveWrapper
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder, Intermediates
@@ -13,6 +15,7 @@ from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransf
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
     "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_k", "top_p",
+    "BeamResult", "beam_search", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
 ]

@@ -177,7 +177,7 @@ def _search(net: TransformerWrapper, prompts: Tensor, seq_len: int, k: int, eos_
         settled = [s or finished[r].settled(bound[r]) for r, s in enumerate(settled)]
         if all(settled):
             break
-        pass
+        state.reorder((torch.arange(b, device=device)[:, None] * k + parent).view(-1))
         logits = net(token.view(b * k, 1), context=context, context_mask=context_mask, state=state)[:, -1]
         logprobs = logits.float().log_softmax(dim=-1)
 

@@ -88,7 +88,8 @@ class AutoregressiveWrapper(nn.Module):
                  filter_kwargs: dict | list | None = None, cache_kv: bool = True,
                  mask: Tensor | None = None, context: Tensor | None = None,
                  context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
-                 state: DecodeState | None = None, generator: torch.Generator | None = None) -> Tensor:
+                 state: DecodeState | None = None, generator: torch.Generator | None = None,
+                 num_beams: int = 1, length_penalty: float = 1.0) -> Tensor:
         """Sample `seq_len` tokens after `prompts` (b, n); returns (b, seq_len).
 
         Args:
@@ -105,7 +106,20 @@ class AutoregressiveWrapper(nn.Module):
                 (and any new text) as its `prompts`: two calls that carry the state equal one
                 longer call. Without learned absolute positions a full state slides: the oldest
                 positions (after memory tokens) leave the window.
+            num_beams: > 1 runs beam search (`generate.beam.beam_search`) instead of sampling, with
+                `length_penalty`; sampling arguments must then keep their defaults.
         """
+        if num_beams != 1:
+            sampling = dict(temperature=(temperature, 1.0), filter_logits_fn=(filter_logits_fn, None),
+                            repetition_penalty=(repetition_penalty, 1.0), state=(state, None),
+                            cache_kv=(cache_kv, True), generator=(generator, None))
+            clash = [name for name, (value, default) in sampling.items() if value is not default and value != default]
+            if clash:
+                raise ValueError(f"num_beams={num_beams} runs beam search, which does not take {clash}")
+            from .beam import beam_search
+
+            return beam_search(self, prompts, seq_len, num_beams, eos_token=eos_token, length_penalty=length_penalty,
+                               mask=mask, context=context, context_mask=context_mask).tokens
         return torch.stack(list(self.stream(
             prompts, seq_len, eos_token=eos_token, temperature=temperature, filter_logits_fn=filter_logits_fn,
             filter_kwargs=filter_kwargs, cache_kv=cache_kv, mask=mask, context=context,

@@ -1,11 +1,11 @@
 """Prompt caching: the decode state of a fixed prompt, computed once, saved to one safetensors file
 with the config of the model it belongs to, and loaded for many continuations.
 
-    state = net.new_state(1, len(prompt)); net(prompt, state=state)
+    state = net.new_state(1, prompt.shape[1]); net(prompt, state=state)      # prompt (1, n)
     save_prompt_cache("seed.safetensors", net, state, prompt)
     ...
-    state, prompt = load_prompt_cache("seed.safetensors", net, max_len=len(prompt) + 256)
-    logits = next_token_logits(net, state, prompt)       # (b, num_tokens), then continue as usual
+    state, prompt = load_prompt_cache("seed.safetensors", net, max_len=prompt.shape[1] + 256)
+    logits = next_token_logits(net, state, prompt)   # (1, num_tokens); then net(token, state=state), ...
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from ..build import model_config
 from ..interfaces import KV
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
+from .decode import AutoregressiveWrapper
 
 try:
     from safetensors import SafetensorError, safe_open
@@ -43,7 +44,7 @@ def _need_safetensors() -> None:
 
 
 def _unwrap(net: nn.Module) -> TransformerWrapper:
-    inner = getattr(net, "net", net)       # an AutoregressiveWrapper holds its TransformerWrapper as .net
+    inner = net.net if isinstance(net, AutoregressiveWrapper) else net
     if not isinstance(inner, TransformerWrapper):
         raise TypeError(f"net must be a TransformerWrapper or an AutoregressiveWrapper, got {type(net).__name__}")
     return inner
@@ -64,7 +65,8 @@ def _differences(saved: Any, current: Any, path: tuple[str, ...] = ()) -> list[t
         for key in sorted(set(saved) | set(current), key=str):
             where = path + (str(key),)
             if key not in saved or key not in current:
-                out.append((where, f"{'.'.join(where)} only in the {'saved' if key in saved else 'current'} model"))
+                side = "saved" if key in saved else "current"
+                out.append((where, f"{'.'.join(where)} only in the {side} model"))
             else:
                 out.extend(_differences(saved[key], current[key], where))
         return out
@@ -90,7 +92,7 @@ def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if kv.mask is not None:
             tensors[f"cross.{i}.mask"] = own(kv.mask)
         cross[str(i)] = kv.free
-    return tensors, {"shift": sorted(state.shift), "cross": cross}
+    return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix}
 
 
 def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeState, prompt: Tensor) -> None:
@@ -105,7 +107,7 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
 
     The file holds k, v, pos, mask of the committed positions, the token-shift histories and the
     cross-attention keys / values, with metadata: the model's config JSON and its sha256, the
-    state's length, the prompt ids and the format version.
+    state's length and memory-token prefix, the prompt ids and the format version.
     """
     _need_safetensors()
     net = _unwrap(net)
@@ -127,8 +129,8 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
                 "length": str(state.length), "prompt": json.dumps(prompt.tolist()),
                 "layout": json.dumps(layout)}
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    # a fresh name in the same directory: os.replace is atomic only within one file system
+    tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         save_file(tensors, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:             # on disk before it takes the name
@@ -194,6 +196,8 @@ def load_prompt_cache(path: str | os.PathLike, net: nn.Module, max_len: int) -> 
         saved_config = json.loads(saved_json)
         prompt = torch.tensor(json.loads(metadata["prompt"]), dtype=torch.long, device=param.device)
         layout = json.loads(metadata["layout"])
+        if not isinstance(layout, dict):
+            raise ValueError("layout is not a JSON object")
     except (KeyError, ValueError, TypeError) as error:
         raise _corrupt(path, f"bad metadata ({error})") from error
     current = model_config(net)
@@ -237,7 +241,10 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
             raise _corrupt(path, f"cross-attention keys / values {i} are missing")
         state.cross[int(i)] = KV(tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"], tensors.get(f"cross.{i}.pos"),
                                  tensors.get(f"cross.{i}.mask"), int(free))
-    state.length = length
+    prefix = layout.get("prefix")
+    if not isinstance(prefix, int) or not 0 <= prefix <= length:
+        raise _corrupt(path, f"bad memory-token prefix {prefix!r}")
+    state.length, state.prefix = length, prefix
     return state
 
 

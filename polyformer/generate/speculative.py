@@ -97,7 +97,7 @@ class CachedModel:
         """The round committed tokens (b, n + 1): n draft tokens shared by every row, then one token
         per row. Drop the rejected positions; the rest waits for the next `run`."""
         keep = min(self.fed, tokens.shape[1] - 1)
-        self.state.rollback(self.fed - keep)
+        pass
         self.unseen = torch.cat((self.unseen, tokens[:, keep:]), dim=1)
         self.fed = 0
 
