@@ -40,7 +40,8 @@ class Competitor:
     name: str
     run: Callable[[], Any]
     units: int
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)         # wall time of each timed call
+    cpu_seconds: list[float] = field(default_factory=list)     # this process's CPU time of each call
 
     @property
     def per_unit(self) -> list[float]:
@@ -50,16 +51,17 @@ class Competitor:
         return statistics.median(self.per_unit)
 
 
-def time_once(fn: Callable[[], Any]) -> float:
-    """Wall time of one call, with the garbage collector collected before and held off during it
-    (as `timeit` does), so no competitor pays for another's garbage."""
+def time_once(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call, with the garbage collector collected before and
+    held off during it (as `timeit` does), so no competitor pays for another's garbage. On a shared
+    machine CPU time is the less disturbed of the two when other processes take the cores."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fn()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
     finally:
         if was_enabled:
             gc.enable()
@@ -76,7 +78,9 @@ def alternating_rounds(competitors: list[Competitor], repeats: int, warmup: int 
     for r in range(repeats):
         order = competitors[r % len(competitors):] + competitors[:r % len(competitors)]
         for c in order:
-            c.seconds.append(time_once(c.run))
+            wall, cpu = time_once(c.run)
+            c.seconds.append(wall)
+            c.cpu_seconds.append(cpu)
         if log is not None:
             log(f"round {r + 1}/{repeats}: " + ", ".join(
                 f"{c.name} {c.seconds[-1] / c.units * 1e3:.2f} ms" for c in competitors))
@@ -123,6 +127,7 @@ def environment(packages: list[str]) -> dict[str, Any]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "packages": {p: version(p) for p in packages},
         "polyformer_commit": _git_commit(Path(__file__).resolve().parent.parent),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

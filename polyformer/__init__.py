@@ -8,6 +8,7 @@ from .generate.beam import BeamResult, beam_search
 from .generate.decode import AutoregressiveWrapper
 from .generate.prompt_cache import load_prompt_cache, next_token_logits, save_prompt_cache
 from .generate.sampling import min_p, top_k, top_p
+from .generate.speculative import SpeculativeResult, speculative_generate
 from .generate.xl import XLAutoregressiveWrapper
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder, Intermediates
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
@@ -15,7 +16,7 @@ from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransf
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
     "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_k", "top_p",
-    "BeamResult", "beam_search", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
+    "BeamResult", "SpeculativeResult", "beam_search", "speculative_generate", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
 ]

@@ -95,6 +95,19 @@ class Sampler:
         for fn, kw in self.filters:
             fn(logits, **kw)
 
+    def probs(self, logits: Tensor) -> Tensor:
+        """(..., v) logits -> (..., v) float32 probabilities that sampling draws from: the filters in
+        order, then softmax(logits / temperature); temperature 0 is a one-hot argmax. (No repetition
+        penalty: it depends on the sequence, see `__call__`.)"""
+        shape = logits.shape
+        logits = logits.reshape(-1, shape[-1])           # filters take (b, v)
+        for fn, kw in self.filters:
+            logits = fn(logits, **kw)
+        logits = logits.float().reshape(shape)
+        if self.temperature == 0:
+            return torch.nn.functional.one_hot(logits.argmax(dim=-1), shape[-1]).float()
+        return (logits / self.temperature).softmax(dim=-1)
+
     def __call__(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
         if self.penalty != 1.0 and seen is not None:
             logits = repetition_penalty(logits, seen, self.penalty)

@@ -33,19 +33,6 @@ class SpeculativeResult:
     proposed: int
 
 
-def distributions(logits: Tensor, sampler: Sampler) -> Tensor:
-    """(..., v) logits -> (..., v) float32 probabilities plain sampling would draw from: the filters
-    in order, then softmax(logits / temperature); temperature 0 is a one-hot argmax."""
-    shape = logits.shape
-    logits = logits.reshape(-1, shape[-1])             # filters take (b, v)
-    for fn, kw in sampler.filters:
-        logits = fn(logits, **kw)
-    logits = logits.float().reshape(shape)
-    if sampler.temperature == 0:
-        return F.one_hot(logits.argmax(dim=-1), shape[-1]).float()
-    return (logits / sampler.temperature).softmax(dim=-1)
-
-
 def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """(b, v) -> (b,) one token per row."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -97,7 +84,7 @@ class CachedModel:
         """The round committed tokens (b, n + 1): n draft tokens shared by every row, then one token
         per row. Drop the rejected positions; the rest waits for the next `run`."""
         keep = min(self.fed, tokens.shape[1] - 1)
-        pass
+        self.state.rollback(self.fed - keep)
         self.unseen = torch.cat((self.unseen, tokens[:, keep:]), dim=1)
         self.fed = 0
 
@@ -110,7 +97,7 @@ def propose(draft: CachedModel, k: int, sampler: Sampler) -> tuple[Tensor, Tenso
     logits = draft.run()[:, -1]
     xs, qs = [], []
     for i in range(k):
-        qs.append(distributions(logits, sampler))
+        qs.append(sampler.probs(logits))
         xs.append(draw(qs[-1], sampler.generator))
         if i < k - 1:
             logits = draft.run(xs[-1][:, None])[:, -1]
@@ -214,7 +201,7 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompts: Tensor, s
         while t < seq_len and not (eos_token is not None and bool(done.all())):
             k = min(gamma, seq_len - t - 1)            # a round adds at most k + 1 tokens
             x, q = propose(draft_run, k, sampler)
-            p = distributions(target_run.run(x), sampler)  # (b, k + 1, v): one target forward
+            p = sampler.probs(target_run.run(x))  # (b, k + 1, v): one target forward
             tokens, kept = verify(p, q, x, done, generator)
             target_run.commit(tokens)
             draft_run.commit(tokens)

@@ -97,13 +97,16 @@ def test_greedy_with_eos_and_wrappers(models):
     assert torch.equal(out.tokens, expected)
 
 
-def test_greedy_with_filter_and_single_token(models):
+def test_greedy_with_filter_and_short_outputs(models):
     prompts, mask = left_padded()
     for seq_len in (1, 2, 5):
         out = speculative_generate(models["self"], models["noisy"], prompts, seq_len, gamma=4, temperature=0.0,
                                    mask=mask, filter_logits_fn=top_k, filter_kwargs=dict(k=5))
+        assert out.tokens.shape == (2, seq_len)
         assert torch.equal(out.tokens, greedy(models["self"], prompts, seq_len, mask))
-    assert out.tokens.shape == (2, 5)
+        if seq_len == 1:      # the prompt's logits give the only token: nothing is proposed
+            assert (out.target_calls, out.draft_calls, out.proposed) == (1, 1, 0)
+            assert math.isnan(out.acceptance_rate)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
@@ -181,15 +184,20 @@ def exact_joint(net, steps, temperature=1.0, k=None):
 
 
 def chi_square_pvalue(samples, probs):
-    """Pearson's test of token tuples (N, d) against probs (VOCAB,) * d; cells expecting fewer than
-    5 are pooled into one. Outcomes of probability 0 must never occur."""
-    flat = torch.zeros(VOCAB ** samples.shape[1], dtype=torch.float64)
+    """Pearson's test of token tuples (N, d) against probs (VOCAB,) * d."""
+    counts = torch.zeros(VOCAB ** samples.shape[1], dtype=torch.float64)
     index = (samples * VOCAB ** torch.arange(samples.shape[1] - 1, -1, -1)).sum(dim=1)
-    flat.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
-    expected = probs.reshape(-1) * len(samples)
-    assert flat[expected == 0].sum() == 0, "a token of probability 0 under the target was produced"
+    counts.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
+    return chi_square_counts(counts, probs.reshape(-1))
+
+
+def chi_square_counts(counts, probs):
+    """Pearson's test of counts (cells,) against probs (cells,); cells expecting fewer than 5 are
+    pooled into one. Outcomes of probability 0 must never occur."""
+    counts, expected = counts.double(), probs.double() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token of probability 0 under the target was produced"
     small = expected < 5
-    observed = torch.cat((flat[~small], flat[small].sum()[None]))
+    observed = torch.cat((counts[~small], counts[small].sum()[None]))
     expected = torch.cat((expected[~small], expected[small].sum()[None]))
     stat = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
     dof = len(observed) - 1
@@ -238,6 +246,26 @@ def test_sampling_matches_target_deep_in_a_round():
     joint = exact_joint(target, seq_len)
     for first in range(seq_len - 1):
         assert chi_square_pvalue(tokens[:, first:first + 2], marginal(joint, [first, first + 1])) > ALPHA
+
+
+def test_verify_keeps_every_position_distributed_as_p():
+    """The rule alone, one row at a time, fixed p_i / q_i per position: the token at position i of a
+    round that reaches it (accepted draft, residual draw, or the bonus at i = k) follows p_i."""
+    torch.manual_seed(0)
+    v, k, rounds = 5, 3, 3000
+    p = torch.softmax(torch.randn(1, k + 1, v) * 1.5, dim=-1)
+    p[0, 1] = F.normalize(p[0, 1].masked_fill(torch.arange(v) == 0, 0.0), p=1, dim=0)   # a filtered token
+    q = torch.softmax(torch.randn(1, k, v) * 1.5, dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q[0], rounds, replacement=True, generator=generator).T[:, None]   # (rounds, 1, k)
+    done = torch.zeros(1, dtype=torch.bool)
+    counts = torch.zeros(k + 1, v)
+    for x in drafts:
+        tokens, _ = speculative.verify(p, q, x, done, generator)
+        counts[torch.arange(tokens.shape[1]), tokens[0]] += 1
+    assert counts[k].sum() > 200                        # the bonus position is reached often enough
+    for i in range(k + 1):
+        assert chi_square_counts(counts[i], p[0, i]) > ALPHA
 
 
 def always_accept(p, q, x, generator):
@@ -297,3 +325,6 @@ def test_bad_models(models):
         speculative_generate(models["self"], tiny_lm(stack=Encoder), ids(n=3), 4)
     with pytest.raises(TypeError, match="target must be a TransformerWrapper"):
         speculative_generate("model", models["self"], ids(n=3), 4)
+    short = tiny_lm(max_seq_len=8)            # learned positions: 3 prompt tokens + 8 new need 10
+    with pytest.raises(ValueError, match="seq_len=8 after 3 prompt tokens .* the draft's learned positions"):
+        speculative_generate(models["self"], short, ids(n=3), 8)
