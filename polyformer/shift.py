@@ -18,18 +18,18 @@ def shift_sequence(t: Tensor, amount: int) -> Tensor:
 
 class TokenShift(nn.Module):
     """Split the features into len(shifts) equal chunks (the remainder stays put) and shift
-    chunk c by shifts[c] positions. Masked positions contribute zeros."""
+    chunk c by shifts[c] positions. Masked positions send zeros; their own features stay."""
 
     def __init__(self, shifts: tuple[int, ...]):
         super().__init__()
         self.shifts = tuple(shifts)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
         size = x.shape[-1] // len(self.shifts)
         chunks = x.split(size, dim=-1)
-        moved = [shift_sequence(c, s) for c, s in zip(chunks, self.shifts)]
+        sent = x.masked_fill(~mask[..., None], 0.0) if mask is not None else x
+        sent_chunks = sent.split(size, dim=-1)
+        moved = [c if s == 0 else shift_sequence(m, s) for c, m, s in zip(chunks, sent_chunks, self.shifts)]
         return torch.cat(moved + list(chunks[len(self.shifts):]), dim=-1)
 
     @property

@@ -14,53 +14,12 @@ from torch.testing import assert_close
 from polyformer import AttentionLayers, Decoder, LayersConfig, TransformerWrapper
 from polyformer.config import from_dict, to_dict
 from tests.helpers import WRAPPER_KEYS, ids, tiny_lm
+from tests.options import DECODER_OPTIONS, perturb
 
 NUM_TOKENS = 64
 
-# one entry per Decoder option of the README (wrapper keywords mixed in, as tiny_lm allows)
-OPTIONS: dict[str, dict] = {
-    "default": {},
-    "attn_num_mem_kv": dict(attn_num_mem_kv=4),
-    "num_memory_tokens": dict(num_memory_tokens=3),
-    "use_scalenorm": dict(use_scalenorm=True),
-    "use_rmsnorm": dict(use_rmsnorm=True),
-    "ff_glu": dict(ff_glu=True),
-    "ff_relu_squared": dict(ff_relu_squared=True),
-    "use_rezero": dict(use_rezero=True),
-    "attn_sparse_topk": dict(attn_sparse_topk=3),
-    "attn_use_entmax15": dict(attn_use_entmax15=True),
-    "attn_talking_heads": dict(attn_talking_heads=True),
-    "attn_collab_heads": dict(attn_collab_heads=True),
-    "attn_on_attn": dict(attn_on_attn=True),
-    "gate_values": dict(gate_values=True),
-    "sandwich_coef": dict(sandwich_coef=1),
-    "macaron": dict(macaron=True),
-    "rel_pos_bias": dict(rel_pos_bias=True),
-    "position_infused_attn": dict(position_infused_attn=True),
-    "post_norm_residual_attn": dict(pre_norm=False, residual_attn=True),
-    "gate_residual": dict(gate_residual=True),
-    "rotary_pos_emb": dict(rotary_pos_emb=True),
-    "alibi_pos_emb": dict(alibi_pos_emb=True, alibi_num_heads=2),
-    "shift_tokens": dict(shift_tokens=1),
-    "shift_tokens_tuple": dict(shift_tokens=(1, 0, 2, 0)),
-    "attn_kv_heads": dict(attn_kv_heads=2),
-    "sandwich_norm": dict(sandwich_norm=True),
-    "scaled_sinu_pos_emb": dict(scaled_sinu_pos_emb=True),
-    "gradient_checkpointing": dict(gradient_checkpointing=True),
-    "emb_dim": dict(emb_dim=24),
-    "tie_embedding": dict(tie_embedding=True),
-}
+OPTIONS = DECODER_OPTIONS
 NAMES = list(OPTIONS)
-
-
-def perturb(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    """Move every parameter off its initial value, so that zero / identity inits (ReZero's g,
-    value-gate weights, talking-heads identity) do not hide a broken dependency."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def build(name: str, seed: int = 0, depth: int = 2) -> TransformerWrapper:

@@ -11,47 +11,14 @@ from torch.testing import assert_close
 from polyformer import (AutoregressiveWrapper, ContinuousAutoregressiveWrapper, ContinuousTransformerWrapper,
                         Decoder, TransformerWrapper, XLAutoregressiveWrapper, XTransformer)
 from tests.helpers import ids, tiny_lm
+from tests.options import DECODER_OPTIONS, perturb
 
-OPTIONS = {
-    "plain": {},
-    "sinusoidal": dict(scaled_sinu_pos_emb=True),
-    "no_abs_pos": dict(use_abs_pos_emb=False),
-    "rotary": dict(rotary_pos_emb=True),
-    "rotary_partial_interleaved": dict(rotary_pos_emb=True, rotary_emb_dim=4, rotary_interleaved=True),
-    "alibi": dict(alibi_pos_emb=True, alibi_num_heads=2),
-    "t5": dict(rel_pos_bias=True),
-    "infused": dict(position_infused_attn=True),
-    "mem_kv": dict(attn_num_mem_kv=3),
-    "memory_tokens": dict(num_memory_tokens=2),
-    "shift_tokens": dict(shift_tokens=2),
-    "shift_tokens_tuple": dict(shift_tokens=(1, 0, 2, 0)),
-    "residual_attn": dict(residual_attn=True, pre_norm=False),
-    "talking_heads": dict(attn_talking_heads=True),
-    "topk": dict(attn_sparse_topk=3),
-    "entmax": dict(attn_use_entmax15=True),
-    "gate_residual": dict(gate_residual=True),
-    "macaron": dict(macaron=True),
-    "sandwich": dict(sandwich_coef=1),
-    "sandwich_norm": dict(sandwich_norm=True),
-    "rmsnorm": dict(use_rmsnorm=True),
-    "scalenorm": dict(use_scalenorm=True),
-    "rezero": dict(use_rezero=True),
-    "gqa": dict(attn_kv_heads=2),
-    "mqa": dict(attn_kv_heads=1),
-    "collab": dict(attn_collab_heads=True),
-    "gate_values_on_attn": dict(gate_values=True, attn_on_attn=True),
-    "everything_cacheable": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
-                                 attn_kv_heads=2, ff_glu=True, use_rmsnorm=True),
-}
+OPTIONS = DECODER_OPTIONS
 
 
 def model_with(name):
     torch.manual_seed(0)
-    model = tiny_lm(**dict(OPTIONS[name]))
-    with torch.no_grad():        # move zero / identity inits (ReZero, gates) off their start
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturb(tiny_lm(**dict(OPTIONS[name])), scale=0.05)
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -88,7 +55,7 @@ def test_greedy_generation_cached_equals_uncached_with_mixed_prompt_lengths(name
 
 
 def test_two_calls_carrying_the_state_equal_one_longer_call():
-    ar = AutoregressiveWrapper(model_with("rotary"))
+    ar = AutoregressiveWrapper(model_with("rotary_pos_emb"))
     prompts = ids(2, 5)
     whole = ar.generate(prompts, 12, temperature=0.0)
     state = ar.new_state(2, 5 + 12)
@@ -98,7 +65,7 @@ def test_two_calls_carrying_the_state_equal_one_longer_call():
 
 
 def test_streaming_yields_the_same_tokens_one_at_a_time():
-    ar = AutoregressiveWrapper(model_with("plain"))
+    ar = AutoregressiveWrapper(model_with("default"))
     prompts = ids(2, 4)
     streamed = list(ar.stream(prompts, 6, temperature=0.0))
     assert len(streamed) == 6 and all(t.shape == (2,) for t in streamed)
@@ -106,7 +73,7 @@ def test_streaming_yields_the_same_tokens_one_at_a_time():
 
 
 def test_state_is_preallocated_and_written_in_place_with_fewer_kv_heads():
-    model = model_with("gqa")
+    model = model_with("attn_kv_heads")
     state = model.new_state(2, 10)
     ptr_k, ptr_v = state.k.data_ptr(), state.v.data_ptr()
     assert state.k.shape == (2, 2, 2, 10, 64)              # (layers, b, kv_heads=2, max_len, dim_head)
@@ -119,7 +86,7 @@ def test_state_is_preallocated_and_written_in_place_with_fewer_kv_heads():
 
 
 def test_rollback_then_continue_equals_the_shorter_prefix():
-    model = model_with("everything_cacheable")
+    model = model_with("combined")
     x = ids(2, 10)
     state = model.new_state(2, 12)
     model(x[:, :8], state=state)
@@ -174,7 +141,7 @@ def test_sliding_window_runs_past_max_seq_len_without_absolute_positions():
 
 
 def test_autoregressive_loss_is_shift_plus_cross_entropy_and_warns_on_disagreeing_mask():
-    ar = AutoregressiveWrapper(model_with("plain"), ignore_index=-1)
+    ar = AutoregressiveWrapper(model_with("default"), ignore_index=-1)
     x = ids(2, 10)
     manual = F.cross_entropy(ar.net(x[:, :-1]).transpose(1, 2), x[:, 1:])
     assert_close(ar(x), manual)
@@ -217,7 +184,7 @@ def test_continuous_wrapper_loss_and_cached_generation():
 
 
 def test_eos_pads_finished_rows():
-    ar = AutoregressiveWrapper(model_with("plain"), pad_value=0)
+    ar = AutoregressiveWrapper(model_with("default"), pad_value=0)
     prompts = ids(2, 4)
     free = ar.generate(prompts, 8, temperature=0.0)
     eos = int(free[0, 2])
@@ -237,6 +204,6 @@ def test_eos_pads_finished_rows():
     (lambda ar: ar.generate(ids(2, 3), 2, state=ar.new_state(2, 8), cache_kv=False), "cache_kv"),
 ])
 def test_bad_generation_input_is_refused(call, match):
-    ar = AutoregressiveWrapper(model_with("plain"))
+    ar = AutoregressiveWrapper(model_with("default"))
     with pytest.raises(ValueError, match=match):
         call(ar)

@@ -14,14 +14,6 @@ from polyformer.position.bias import AlibiBias, T5Bias, alibi_slopes, t5_buckets
 from tests.helpers import ids, tiny_lm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscribing the cores under pytest -n."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # --- ALiBi ---------------------------------------------------------------------------------------
 

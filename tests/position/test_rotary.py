@@ -16,14 +16,6 @@ from polyformer.position.rotary import Rotary, apply_rotary, rotary_angles
 from tests.helpers import ids, tiny_lm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscribing the cores under pytest -n."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def frequencies(r: int, base: float = 10000.0) -> torch.Tensor:
     """w_i = base^(-2i/r), i = 0 .. r/2 - 1, in float64, from the paper's formula."""

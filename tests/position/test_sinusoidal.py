@@ -16,14 +16,6 @@ from polyformer.position.sinusoidal import PositionInfusion, sinusoidal
 from tests.helpers import ids, tiny_lm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscribing the cores under pytest -n."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("dim", [8, 32, 7])
 def test_sinusoidal_equals_formula(dim):

@@ -20,14 +20,6 @@ from tests.helpers import ids, tiny_lm
 B, H, I, D = 2, 4, 7, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscribing the cores under pytest -n."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def kernels(dropout: float = 0.0) -> tuple[DenseKernel, DenseKernel]:
     fused = DenseKernel(H, D ** -0.5, dropout, Softmax())

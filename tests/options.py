@@ -1,0 +1,58 @@
+"""The option sets every contract runs through: one entry per keyword of the README (wrapper
+keywords mixed in, as `tiny_lm` allows), plus the later spellings and combinations."""
+
+from __future__ import annotations
+
+import torch
+
+LAYER_OPTIONS: dict[str, dict] = {
+    "default": {},
+    "rel_pos_bias": dict(rel_pos_bias=True),
+    "alibi_pos_emb": dict(alibi_pos_emb=True),
+    "alibi_num_heads": dict(alibi_pos_emb=True, alibi_num_heads=2),
+    "rotary_pos_emb": dict(rotary_pos_emb=True),
+    "rotary_partial_interleaved": dict(rotary_pos_emb=True, rotary_emb_dim=4, rotary_interleaved=True),
+    "position_infused_attn": dict(position_infused_attn=True),
+    "scaled_sinu_pos_emb": dict(scaled_sinu_pos_emb=True),
+    "no_abs_pos_emb": dict(use_abs_pos_emb=False),
+    "shift_tokens": dict(shift_tokens=1),
+    "shift_tokens_2": dict(shift_tokens=2),
+    "shift_tokens_tuple": dict(shift_tokens=(1, 0, 2, 0)),
+    "attn_num_mem_kv": dict(attn_num_mem_kv=4),
+    "num_memory_tokens": dict(num_memory_tokens=3),
+    "use_scalenorm": dict(use_scalenorm=True),
+    "use_rmsnorm": dict(use_rmsnorm=True),
+    "use_rezero": dict(use_rezero=True),
+    "ff_glu": dict(ff_glu=True),
+    "ff_relu_squared": dict(ff_relu_squared=True),
+    "attn_sparse_topk": dict(attn_sparse_topk=3),
+    "attn_use_entmax15": dict(attn_use_entmax15=True),
+    "attn_talking_heads": dict(attn_talking_heads=True),
+    "attn_collab_heads": dict(attn_collab_heads=True),
+    "attn_on_attn": dict(attn_on_attn=True),
+    "gate_values": dict(gate_values=True),
+    "attn_kv_heads": dict(attn_kv_heads=2),
+    "attn_one_kv_head": dict(attn_one_kv_head=True),
+    "sandwich_coef": dict(sandwich_coef=1),
+    "macaron": dict(macaron=True),
+    "post_norm_residual_attn": dict(pre_norm=False, residual_attn=True),
+    "gate_residual": dict(gate_residual=True),
+    "sandwich_norm": dict(sandwich_norm=True),
+    "gradient_checkpointing": dict(gradient_checkpointing=True),
+    "emb_dim": dict(emb_dim=24),
+    "tie_embedding": dict(tie_embedding=True),
+    "combined": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
+                     attn_kv_heads=2, ff_glu=True, use_rmsnorm=True),
+}
+DECODER_OPTIONS = LAYER_OPTIONS
+ENCODER_OPTIONS = LAYER_OPTIONS
+
+
+def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> torch.nn.Module:
+    """Move every parameter off its initial value, so that zero / identity inits (ReZero's g,
+    value-gate weights, talking-heads identity) cannot hide a broken dependency."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
