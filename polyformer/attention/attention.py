@@ -86,8 +86,11 @@ class Attention(nn.Module):
         keep = kv.mask[:, None, None, :] if kv.mask is not None else None     # (b, 1, 1, j)
         causal = False
         if self.causal:
-            if kv.free == 0 and kv.pos is ctx.pos:
-                causal = True
+            state = ctx.state
+            if kv.free == 0 and (kv.pos is ctx.pos or (state is not None and state.length == 0)):
+                causal = True                       # the keys are exactly the queries, in order
+            elif state is not None and ctx.pos.shape[-1] == 1:
+                pass                                # one new token comes after every cached key
             else:
                 pattern = patterns.causal(ctx.pos, kv.pos)[:, None]           # (b|1, 1, i, j)
                 keep = pattern if keep is None else keep & pattern

@@ -4,7 +4,6 @@ output projection with attention-on-attention (arXiv:1908.06954)."""
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 
@@ -40,7 +39,8 @@ class Output(nn.Module):
         self.proj = nn.Linear(inner, dim * 2 if on_attn else dim, bias=on_attn)
 
     def forward(self, out: Tensor, x: Tensor) -> Tensor:
-        out = rearrange(out, "b h n d -> b n (h d)")
+        b, h, n, d = out.shape
+        out = out.transpose(1, 2).reshape(b, n, h * d)          # merge heads
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
         out = self.proj(out)

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
 from ..interfaces import KV, Source
 from ..position.sinusoidal import PositionInfusion
+
+
+def split_heads(t: Tensor, heads: int) -> Tensor:
+    """(b, n, h * d) -> (b, h, n, d), a view."""
+    b, n, _ = t.shape
+    return t.view(b, n, heads, -1).transpose(1, 2)
 
 
 class Projection(nn.Module):
@@ -79,12 +84,12 @@ class Projection(nn.Module):
     def _heads_q(self, q: Tensor) -> Tensor:
         if self.mixing is not None:
             return q[:, None] * self.mixing[:, None, :]               # (b, h, i, shared)
-        return rearrange(q, "b n (h d) -> b h n d", h=self.heads)
+        return split_heads(q, self.heads)
 
     def _heads_kv(self, k: Tensor, v: Tensor, src: Source) -> KV:
         if self.mixing is not None:
             k = k[:, None]                                            # (b, 1, j, shared)
         else:
-            k = rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads)
-        v = rearrange(v, "b n (h d) -> b h n d", h=self.v_heads)
+            k = split_heads(k, self.kv_heads)
+        v = split_heads(v, self.v_heads)
         return KV(k=k, v=v, pos=src.pos, mask=src.mask)

@@ -245,6 +245,7 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
     if not isinstance(prefix, int) or not 0 <= prefix <= length:
         raise _corrupt(path, f"bad memory-token prefix {prefix!r}")
     state.length, state.prefix = length, prefix
+    state.padded = not bool(mask.all())
     return state
 
 

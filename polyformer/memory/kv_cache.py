@@ -14,7 +14,8 @@ class DecodeState:
     """Everything a decoder needs to continue a batch of sequences one step at a time.
 
     k, v: (layers, b, hk, max_len, d) written at [length, length + n) by each step.
-    pos, mask: (b, max_len) positions and padding of the cached keys, shared by all layers.
+    pos, mask: (b, max_len) positions and padding of the cached keys, shared by all layers; the
+        positions of each row only grow, so a new token comes after every cached key.
     cross: per cross-attention block, keys / values of the context, computed once.
     shift: per token-shifting block, its inputs (b, max_len, dim), so a step can see the previous ones.
     """
@@ -29,6 +30,7 @@ class DecodeState:
         self.mask = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0          # positions already committed
         self.prefix = 0          # leading positions that are memory tokens, not text
+        self.padded = False      # whether any cached position is padding (else no key mask is needed)
         self.pending = 0         # positions written by the step under way
         self.cross: dict[int, KV] = {}
         self.shift: dict[int, Tensor] = {}
@@ -51,6 +53,8 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
+        if mask is not None and not bool(mask.all()):
+            self.padded = True
         if prefix:
             if self.length:
                 raise ValueError("memory tokens can only start a decode state")
@@ -63,7 +67,7 @@ class DecodeState:
         self.k[layer, :, :, start:end] = kv.k
         self.v[layer, :, :, start:end] = kv.v
         return KV(k=self.k[layer, :, :, :end], v=self.v[layer, :, :, :end], pos=self.pos[:, :end],
-                  mask=self.mask[:, :end])
+                  mask=self.mask[:, :end] if self.padded else None)
 
     def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
         """Record block's inputs h (b, n, dim) for this step; return them preceded by up to `reach`
@@ -110,7 +114,7 @@ class DecodeState:
         new = DecodeState.__new__(DecodeState)
         new.k, new.v = self.k.clone(), self.v.clone()
         new.pos, new.mask = self.pos.clone(), self.mask.clone()
-        new.length, new.pending, new.prefix = self.length, self.pending, self.prefix
+        new.length, new.pending, new.prefix, new.padded = self.length, self.pending, self.prefix, self.padded
         new.cross = dict(self.cross)          # context keys are never written after they are made
         new.shift = {i: h.clone() for i, h in self.shift.items()}
         return new

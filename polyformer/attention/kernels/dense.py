@@ -52,13 +52,16 @@ class DenseKernel(nn.Module):
 
     def forward(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
                 causal: bool, prev_scores: Tensor | None = None, need_weights: bool = False) -> AttnOut:
-        k, v = match_heads(kv.k, q.shape[1]), match_heads(kv.v, q.shape[1])
+        h = q.shape[1]
         if self.can_fuse and prev_scores is None and not need_weights:
-            return AttnOut(self.fused(q, k, v, mask, bias, causal))
-        return self.reference(q, k, v, mask, bias, causal, prev_scores, need_weights)
+            if kv.k.shape[1] == kv.v.shape[1]:      # grouped heads: SDPA reads each kv head in place
+                return AttnOut(self.fused(q, kv.k, kv.v, mask, bias, causal, gqa=kv.k.shape[1] != h))
+            return AttnOut(self.fused(q, match_heads(kv.k, h), match_heads(kv.v, h), mask, bias, causal))
+        return self.reference(q, match_heads(kv.k, h), match_heads(kv.v, h), mask, bias, causal,
+                              prev_scores, need_weights)
 
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
-              causal: bool) -> Tensor:
+              causal: bool, gqa: bool = False) -> Tensor:
         if causal and (mask is not None or bias is not None):
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
             mask = keep if mask is None else mask & keep
@@ -70,7 +73,7 @@ class DenseKernel(nn.Module):
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
         p = self.dropout.p if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                              is_causal=causal, scale=self.scale)
+                                              is_causal=causal, scale=self.scale, enable_gqa=gqa)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
                   causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut:
