@@ -123,3 +123,19 @@ def decode_state(stack: "AttentionLayers", state: "DecodeState", x: Tensor, mems
     if state.length + x.shape[1] > state.max_len:
         raise ValueError(f"state has room for {state.max_len} positions; {state.length} are used and "
                          f"x adds {x.shape[1]}")
+
+
+def prefix_len(value: object, b: int, n: int, causal: bool) -> Tensor:
+    """prefix_len as a (b,) long tensor in [0, n]."""
+    if not causal:
+        raise ValueError("prefix_len makes a causal stack bidirectional over a prefix; this stack is not causal")
+    t = torch.as_tensor(value)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"prefix_len must be an int or an integer tensor of shape (batch,), got dtype {t.dtype}")
+    if t.ndim == 0:
+        t = t.expand(b)
+    if tuple(t.shape) != (b,):
+        raise ValueError(f"prefix_len must be an int or have shape (batch,) = ({b},), got {tuple(t.shape)}")
+    if bool((t < 0).any()) or bool((t > n).any()):
+        raise ValueError(f"prefix_len must be in [0, seq_len={n}], got {t.tolist()}")
+    return t.long()

@@ -61,6 +61,7 @@ class Context:
     mems: list[Tensor] | None = None        # per self-attention layer (b, m_l, dim), XL memories
     mem_masks: list[Tensor | None] | None = None
     need_weights: bool = False
+    prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at positions in [start, end), (b, 1) each, seen by all
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
     memo: dict = field(default_factory=dict)

@@ -99,6 +99,9 @@ class AttentionLayers(nn.Module):
             and this step's are written to it; x holds only the new positions.
         prefix: the first `prefix` positions of x are memory tokens: attended to like the others,
             but token shift does not move their features into the text.
+        prefix_len: prefix-LM, for a causal stack: int or (b,); the first prefix_len text positions
+            of each row (after memory tokens) are seen by every query, so the prefix attends to
+            itself bidirectionally and the rest stays causal.
         return_attn: keep the attention weights (forces the reference path); returns
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
@@ -199,7 +202,8 @@ class AttentionLayers(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
-                state: DecodeState | None = None, prefix: int = 0, return_attn: bool = False,
+                state: DecodeState | None = None, prefix: int = 0,
+                prefix_len: Tensor | int | None = None, return_attn: bool = False,
                 return_intermediates: bool = False) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if state is not None:
@@ -208,12 +212,18 @@ class AttentionLayers(nn.Module):
             mem_masks = [mem_masks] * self.num_self_attn
         if pos is None:
             pos = self.next_positions(x.shape[1], mems, state, x.device)
+        prefix_span = None
+        if prefix_len is not None:        # counted from the first text position, after memory tokens
+            prefix_len = checks.prefix_len(prefix_len, x.shape[0], x.shape[1] - prefix, self.causal)
+            start = pos[:, prefix: prefix + 1].expand(x.shape[0], 1)
+            prefix_span = (start, start + prefix_len[:, None])
         shift_mask = mask
         if prefix:
             shift_mask = mask.clone() if mask is not None else x.new_ones(x.shape[:2], dtype=torch.bool)
             shift_mask[:, :prefix] = False
         ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
-                      mems=mems, mem_masks=mem_masks, need_weights=return_attn, shift_mask=shift_mask,
+                      mems=mems, mem_masks=mem_masks, need_weights=return_attn, prefix_span=prefix_span,
+                      shift_mask=shift_mask,
                       state=state)
         if state is not None:
             state.begin(pos, mask, prefix)

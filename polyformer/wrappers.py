@@ -106,8 +106,8 @@ class SequenceWrapper(nn.Module):
 
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
              mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
-             return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None
-             ) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
+             return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None,
+             prefix_len: Tensor | int | None = None) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
         tok_pos = self._positions(n, pos, state, h.device)
         if self.bounded and int(tok_pos.max()) >= self.max_seq_len:
@@ -130,7 +130,8 @@ class SequenceWrapper(nn.Module):
                 mem_masks = list(mem_masks[s:]) + list(mem_masks[:s])
         out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
                                mem_masks=mem_masks, pos=stack_pos, state=state,
-                               prefix=self.num_memory_tokens if prefix else 0, return_attn=return_attn,
+                               prefix=self.num_memory_tokens if prefix else 0, prefix_len=prefix_len,
+                               return_attn=return_attn,
                                return_intermediates=need_record)
         record = None
         if need_record:
@@ -181,7 +182,8 @@ class TransformerWrapper(SequenceWrapper):
     return_embeddings, return_mems, return_attn, return_intermediates, pos, state) -> logits
     (b, n, num_tokens), embeddings (b, n, dim), or a pair with the memories / attention maps /
     Intermediates. `pos` (b|1, n) overrides the token positions (per-row positions of a left-padded
-    batch); `state` (from `new_state`) makes x a continuation of the cached positions.
+    batch); `state` (from `new_state`) makes x a continuation of the cached positions; `prefix_len`
+    (int or (b,), causal stacks) makes the first prefix_len tokens a bidirectional prefix (prefix-LM).
     """
 
     @checked_keywords
@@ -218,7 +220,7 @@ class TransformerWrapper(SequenceWrapper):
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
-                state: DecodeState | None = None) -> Any:
+                state: DecodeState | None = None, prefix_len: Tensor | int | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
         self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
         h = self.token_emb(x)
@@ -226,7 +228,7 @@ class TransformerWrapper(SequenceWrapper):
             h = self.project_emb(h)
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
-                                          pos, state)
+                                          pos, state, prefix_len)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 
@@ -263,7 +265,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
-                state: DecodeState | None = None) -> Any:
+                state: DecodeState | None = None, prefix_len: Tensor | int | None = None) -> Any:
         checks.floats("x", x, 3, "(batch, seq, dim_in)")
         if x.shape[-1] != self.dim_in:
             raise ValueError(f"x has feature size {x.shape[-1]}, expected dim_in={self.dim_in}")
@@ -273,7 +275,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         h = self.project_in(x) if self.project_in is not None else x
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
-                                          pos, state)
+                                          pos, state, prefix_len)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 

@@ -85,7 +85,10 @@ class Attention(nn.Module):
     def _build_keep(self, ctx: Context, kv: KV) -> tuple[Tensor | None, bool]:
         keep = kv.mask[:, None, None, :] if kv.mask is not None else None     # (b, 1, 1, j)
         causal = False
-        if self.causal:
+        if self.causal and ctx.prefix_span is not None:
+            pattern = patterns.prefix_causal(ctx.pos, kv.pos, *ctx.prefix_span)[:, None]
+            keep = pattern if keep is None else keep & pattern
+        elif self.causal:
             state = ctx.state
             if kv.free == 0 and (kv.pos is ctx.pos or (state is not None and state.length == 0)):
                 causal = True                       # the keys are exactly the queries, in order
