@@ -53,6 +53,9 @@ class SequenceWrapper(nn.Module):
         self.shift_mem_down = shift_mem_down
         if scaled_sinu_pos_emb and use_abs_pos_emb is False:
             raise ValueError(f"{owner}: scaled_sinu_pos_emb=True conflicts with use_abs_pos_emb=False")
+        if self.attn_layers.cfg.attention.position == "infused" and (use_abs_pos_emb or scaled_sinu_pos_emb):
+            raise ValueError(f"{owner}: use_abs_pos_emb / scaled_sinu_pos_emb and position_infused_attn=True "
+                             "are two absolute positional schemes; choose one")
         if use_abs_pos_emb is None:       # off when the blocks carry positions themselves
             use_abs_pos_emb = not self.attn_layers.has_pos_emb
         self.pos_emb: nn.Module | None = None

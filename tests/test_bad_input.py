@@ -417,6 +417,13 @@ def test_scaled_sinusoidal_picks_the_absolute_kind(wrapper):
     assert not model.bounded
 
 
+@pytest.mark.parametrize("wrapper_kw", [dict(use_abs_pos_emb=True), dict(scaled_sinu_pos_emb=True)])
+def test_two_absolute_position_schemes_are_refused(wrapper_kw):
+    with refused(ValueError, "position_infused_attn", "two absolute"):
+        TransformerWrapper(num_tokens=NUM_TOKENS, max_seq_len=16,
+                           attn_layers=Decoder(dim=DIM, depth=2, position_infused_attn=True), **wrapper_kw)
+
+
 def test_scaled_sinusoidal_with_abs_pos_emb_off():
     with refused(ValueError, "use_abs_pos_emb", "scaled_sinu_pos_emb"):
         TransformerWrapper(num_tokens=NUM_TOKENS, max_seq_len=16, attn_layers=Decoder(dim=DIM, depth=2),
