@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .config import LayersConfig, from_dict, to_dict
+from .encoder_decoder import XTransformer
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
 
@@ -18,10 +19,15 @@ FORMAT = 1
 
 
 def model_config(model: nn.Module) -> dict[str, Any]:
-    """{"format", "class", "args", "layers": {"class", "config"}} for a wrapper or a bare stack."""
+    """{"format", "class", "args", "layers": {"class", "config"}} for a wrapper or a bare stack;
+    an XTransformer is its keywords alone (its stacks are built from them)."""
     if isinstance(model, AttentionLayers):
         return {"format": FORMAT, "class": None, "args": {},
                 "layers": {"class": type(model).__name__, "config": to_dict(model.cfg)}}
+    if isinstance(model, XTransformer):
+        args = dict(model.init_args)
+        json.dumps(args)
+        return {"format": FORMAT, "class": "XTransformer", "args": args, "layers": None}
     if type(model).__name__ not in WRAPPERS:
         raise TypeError(f"model_config takes a polyformer wrapper or stack, got {type(model).__name__}")
     args = {k: v for k, v in model.init_args.items() if k != "attn_layers"}
@@ -33,6 +39,8 @@ def model_config(model: nn.Module) -> dict[str, Any]:
 def build_model(config: dict[str, Any]) -> nn.Module:
     if config.get("format") != FORMAT:
         raise ValueError(f"model config format {config.get('format')!r} is not supported (expected {FORMAT})")
+    if config["class"] == "XTransformer":
+        return XTransformer(**config["args"])
     layers_cls = STACKS.get(config["layers"]["class"])
     if layers_cls is None:
         raise ValueError(f"unknown stack class {config['layers']['class']!r}; expected one of {sorted(STACKS)}")

@@ -70,6 +70,8 @@ class XTransformer(nn.Module):
         if tie_token_emb:
             decoder.token_emb = self.encoder.token_emb
         self.decoder = AutoregressiveWrapper(decoder, ignore_index=ignore_index, pad_value=pad_value)
+        self.init_args = dict(dim=dim, tie_token_emb=tie_token_emb, ignore_index=ignore_index,
+                              pad_value=pad_value, **keywords)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None) -> Tensor:

@@ -36,6 +36,16 @@ def test_rebuilt_model_gives_identical_outputs(make, x):
     assert torch.equal(rebuilt(x), model(x))
 
 
+def test_xtransformer_round_trip():
+    from polyformer import XTransformer
+    torch.manual_seed(0)
+    model = XTransformer(dim=32, enc_num_tokens=20, enc_depth=1, enc_max_seq_len=8, dec_num_tokens=21,
+                         dec_depth=1, dec_max_seq_len=9, dec_rotary_pos_emb=True)
+    rebuilt, model = roundtrip(model)
+    src, tgt = torch.randint(0, 20, (2, 8)), torch.randint(0, 21, (2, 9))
+    assert torch.equal(rebuilt(src, tgt), model(src, tgt))
+
+
 def test_unknown_format_and_class_are_refused():
     cfg = model_config(TransformerWrapper(num_tokens=8, max_seq_len=4, attn_layers=Decoder(dim=16, depth=1)))
     with pytest.raises(ValueError, match="format"):

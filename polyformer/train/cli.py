@@ -1,0 +1,84 @@
+"""`polyformer train | generate | eval | demo` (also `python -m polyformer ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .settings import PRESETS
+
+
+def overrides(extra: list[str]) -> list[tuple[str, str]]:
+    """['--model.depth', '4', '--train.bf16=true'] -> [('model.depth', '4'), ('train.bf16', 'true')];
+    a dotted flag with no value means true. Anything else is an unknown flag."""
+    pairs, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise SystemExit(f"polyformer: unknown flag {arg!r} (settings are given as --section.key VALUE, "
+                             "e.g. --model.depth 4)")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                value, i = extra[i + 1], i + 1
+            else:
+                value = "true"
+        pairs.append((name, value))
+        i += 1
+    return pairs
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="polyformer", description="Train, evaluate and sample transformers.")
+    sub = top.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model into a run directory",
+                           description="Train a model. Any setting can be overridden as --section.key VALUE "
+                                       "(sections: model, data, train; layer keywords as --model.layers.NAME).")
+    train.add_argument("--out", required=True, help="run directory (created; with --resume, continued)")
+    train.add_argument("--preset", choices=sorted(PRESETS), help="a starting point for the settings")
+    train.add_argument("--config", help="a TOML or YAML file of settings, applied after the preset")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    train.add_argument("--steps", type=int, default=None, help="optimizer steps (same as --train.steps)")
+    train.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (same as --train.fsdp)")
+    gen = sub.add_parser("generate", help="sample from a trained run")
+    gen.add_argument("--run", required=True, help="run directory")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--prompt", default=None, help="text to continue (default: a line break)")
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split")
+    ev.add_argument("--run", required=True, help="run directory")
+    ev.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
+    sub.add_parser("demo", help="the short built-in demo", add_help=False)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo
+
+        demo(argv[1:])
+        return 0
+    args, extra = parser().parse_known_args(argv)
+    if args.command == "train":
+        from .trainer import train
+
+        pairs = overrides(extra)
+        if args.steps is not None:
+            pairs.append(("train.steps", str(args.steps)))
+        if args.fsdp:
+            pairs.append(("train.fsdp", "true"))
+        return train(args.out, preset=args.preset, config_file=args.config, overrides=pairs, resume=args.resume)
+    if extra:
+        raise SystemExit(f"polyformer {args.command}: unknown flag(s) {extra}")
+    if args.command == "generate":
+        from .trainer import generate
+
+        return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
+                        args.seed)
+    from .trainer import evaluate_run
+
+    return evaluate_run(args.run, args.batches)

@@ -1,0 +1,299 @@
+"""The training loop behind `polyformer train`, and `eval` / `generate` on a run directory.
+
+A run directory holds config.json (model + settings), the tokenizer, checkpoints/, log.csv,
+loss.png and TensorBoard events when tensorboard is installed. Under `torchrun` the same loop runs
+DistributedDataParallel (gloo on CPU, nccl on GPU); only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..build import build_model
+from ..generate.decode import AutoregressiveWrapper
+from ..generate.sampling import top_k, top_p
+from .checkpoint import (load_checkpoint, load_run_config, resume_checkpoint, run_config, save_checkpoint,
+                         save_run_config)
+from .logs import CSVLog, TensorBoardLog, plot_losses
+from .objectives import Seq2Seq, token_accuracy
+from .settings import RunSettings, from_dict, resolve, to_dict
+from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
+                    train_batches)
+
+
+class Stop:
+    """SIGINT / SIGTERM ask the loop to stop at the next step boundary, after a checkpoint."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Stop":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); joins the process group when started by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def train(out: str, preset: str | None = None, config_file: str | None = None,
+          overrides: list[tuple[str, str]] | None = None, resume: bool = False) -> int:
+    rank, world = distributed()
+    try:
+        return _train(Path(out), preset, config_file, overrides or [], resume, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
+                  overrides: list[tuple[str, str]], resume: bool) -> RunSettings:
+    if not resume:
+        if (run_dir / "config.json").exists():
+            raise SystemExit(f"polyformer: {str(run_dir)!r} already holds a run; pass --resume to continue it "
+                             "or choose another --out (nothing was changed)")
+        return resolve(preset, config_file, overrides)
+    if preset or config_file:
+        raise SystemExit("polyformer: --resume continues the run's own settings; drop --preset / --config")
+    settings = from_dict(load_run_config(run_dir)["train"]["settings"])
+    for dotted, value in overrides:       # only the length of the run and the display may change
+        if dotted not in ("train.steps", "train.progress"):
+            raise SystemExit(f"polyformer: --{dotted} cannot change when resuming (only --train.steps)")
+    return _with(settings, overrides)
+
+
+def _with(settings: RunSettings, overrides: list[tuple[str, str]]) -> RunSettings:
+    from .settings import set_value, validate
+
+    for dotted, value in overrides:
+        set_value(settings, dotted, value, source=f"--{dotted}")
+    validate(settings)
+    return settings
+
+
+def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides: list[tuple[str, str]],
+           resume: bool, rank: int, world: int) -> int:
+    settings = _settings_for(run_dir, preset, config_file, overrides, resume)
+    t = settings.train
+    if t.batch_size % world:
+        raise SystemExit(f"polyformer: train.batch_size ({t.batch_size}) must be a multiple of the "
+                         f"number of processes ({world})")
+    torch.manual_seed(t.seed)
+    if rank == 0:                   # rank 0 trains / saves the tokenizer, the others then read it
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data = load_data(settings, run_dir, fresh=not resume)
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        data = load_data(settings, run_dir, fresh=False)
+    model = build_run_model(settings, data)
+    objective = build_objective(settings, data, rank, world)
+    objective.check(model)
+    optimizer = optimizer_for(model, t.lr, t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup, t.steps, t.min_lr_ratio))
+    batches = train_batches(settings, data, objective, rank, world)
+    step = 0
+    if resume:
+        state = load_checkpoint(resume_checkpoint(run_dir), model, optimizer, scheduler)
+        step = state["step"]
+        batches.load_state_dict(state["data_state"]["batches"])
+        objective.load_state_dict(state["data_state"]["objective"])
+    elif rank == 0:
+        save_run_config(run_dir, run_config(model, {"settings": to_dict(settings), "corpus_sha256": data.corpus_sha256}))
+    params = sum(p.numel() for p in model.parameters())
+    say(rank, f"run {run_dir}: {params:,} parameters, objective {t.objective}, "
+              f"{'resuming at step ' + str(step) if resume else 'new'}"
+              + (f", corpus sha256 {data.corpus_sha256[:16]}, {data.train.numel():,} train / "
+                 f"{data.val.numel():,} validation tokens" if data.train is not None else ""))
+    net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if t.compile:
+        net = torch.compile(net)
+    logs = _Logs(run_dir, step if resume else None) if rank == 0 else None
+    bar = _progress(rank, t, step)
+    autocast = (torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+                if t.bf16 else contextlib.nullcontext())
+    tokens_per_step = t.batch_size * t.grad_accum * (settings.model.max_seq_len if data.train is not None
+                                                     else 2 * t.task_length + 1)
+    first = step
+    with Stop() as stop:
+        started, last_loss = time.time(), float("nan")
+        while step < t.steps:
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for _ in range(t.grad_accum):
+                with autocast:
+                    loss = objective.loss(net, next(batches)) / t.grad_accum
+                loss.backward()
+                total += loss.item()
+            if world > 1:           # the logged loss is the global batch's
+                reduced = torch.tensor(total)
+                dist.all_reduce(reduced)
+                total = reduced.item() / world
+            if t.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            last_loss = total
+            rate = (step - first) * tokens_per_step / max(1e-9, time.time() - started)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{rate:,.0f}")
+            evaluate_now = step % t.eval_every == 0 or step == t.steps
+            val = evaluate(model, objective, settings, data).get("loss") if evaluate_now else None
+            if logs is not None:
+                logs.write(step, total, val, scheduler.get_last_lr()[0], rate)
+                if evaluate_now:
+                    _report(model, settings, data, step, val, bar)
+            if step % t.checkpoint_every == 0 or step == t.steps or stop.signal is not None:
+                if rank == 0:
+                    save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                    data_state={"batches": batches.state_dict(), "objective": objective.state_dict()},
+                                    keep_last=t.keep_last)
+                if world > 1:
+                    dist.barrier()
+            if stop.signal is not None:
+                say(rank, f"\nstopped by signal {stop.signal} at step {step}; checkpoint saved, "
+                          f"continue with --resume")
+                return 128 + stop.signal
+    if bar is not None:
+        bar.close()
+    say(rank, f"done: {step} steps, last train loss {last_loss:.4f}")
+    return 0
+
+
+class _Logs:
+    def __init__(self, run_dir: Path, resume_step: int | None):
+        self.run_dir = run_dir
+        self.csv = CSVLog(run_dir / "log.csv", resume_step=resume_step)
+        self.tensorboard = TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step)
+
+    def write(self, step: int, train_loss: float, val_loss: float | None, lr: float, rate: float) -> None:
+        row = {"step": step, "train_loss": train_loss, "val_loss": val_loss if val_loss is not None else "",
+               "lr": lr, "tokens_per_s": round(rate, 1)}
+        self.csv.log(row)
+        self.tensorboard.log({k: v for k, v in row.items() if v != ""})
+        if val_loss is not None:
+            plot_losses(self.run_dir / "log.csv", self.run_dir / "loss.png")
+
+
+def _progress(rank: int, t: Any, step: int) -> Any:
+    if rank != 0 or not t.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=t.steps, initial=step, desc="train", dynamic_ncols=True, file=sys.stderr)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Data,
+             batches: int | None = None) -> dict[str, float]:
+    """Validation loss over fixed batches (the same every time), perplexity and bits per byte."""
+    from .batches import Batches
+
+    n = batches or settings.train.eval_batches
+    was_training = model.training
+    model.eval()
+    state = objective.state_dict()
+    try:
+        if isinstance(objective, Seq2Seq):
+            g = torch.Generator().manual_seed(12345)
+            losses = [objective.loss(model, objective.task.sample(settings.train.batch_size, generator=g)).item()
+                      for _ in range(n)]
+            return {"loss": sum(losses) / n, "accuracy": token_accuracy(model, objective.task, n=64)}
+        if hasattr(objective, "generator"):
+            objective.generator.manual_seed(12345)
+        fixed = Batches(data.val, settings.model.max_seq_len, settings.train.batch_size, seed=12345)
+        loss = sum(objective.loss(model, fixed.batch(k)).item() for k in range(n)) / n
+    finally:
+        objective.load_state_dict(state)
+        model.train(was_training)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
+
+
+def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, val: float | None, bar: Any) -> None:
+    text = f"step {step}: val loss {val:.4f}"
+    if settings.train.objective in ("lm", "prefix_lm"):
+        text += "\n" + sample(model, data.tokenizer, "\n", settings.train.sample_tokens, 0.8, 40, None, step)
+    (bar.write if bar is not None else print)(text)
+
+
+@torch.no_grad()
+def sample(model: nn.Module, tokenizer: Any, prompt: str, n: int, temperature: float, k: int | None,
+           p: float | None, seed: int) -> str:
+    ids = tokenizer.encode(prompt) or [0]
+    ids = ids[-model.max_seq_len:]
+    filters, kwargs = [], []
+    if k:
+        filters.append(top_k)
+        kwargs.append({"k": k})
+    if p:
+        filters.append(top_p)
+        kwargs.append({"p": p})
+    out = AutoregressiveWrapper(model).generate(torch.tensor([ids]), n, temperature=temperature,
+                                                filter_logits_fn=filters or None, filter_kwargs=kwargs or None,
+                                                generator=torch.Generator().manual_seed(seed))
+    return prompt + tokenizer.decode(out[0].tolist())
+
+
+def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
+    """A trained run: its settings, the model with the newest good checkpoint, and its data."""
+    path = Path(run_dir)
+    config = load_run_config(path)
+    settings = from_dict(config["train"]["settings"])
+    model = build_model(config["model"])
+    load_checkpoint(resume_checkpoint(path), model, rng=False)
+    return settings, model.eval(), load_data(settings, path, fresh=False)
+
+
+def evaluate_run(run_dir: str, batches: int | None = None) -> int:
+    settings, model, data = load_run(run_dir)
+    objective = build_objective(settings, data, 0, 1)
+    result = evaluate(model, objective, settings, data, batches)
+    print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    return 0
+
+
+def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
+             p: float | None, seed: int) -> int:
+    settings, model, data = load_run(run_dir)
+    if settings.train.objective not in ("lm", "prefix_lm"):
+        raise SystemExit(f"polyformer generate: a {settings.train.objective!r} run does not generate text")
+    if max_new_tokens < 1:
+        raise SystemExit("polyformer generate: --max-new-tokens must be >= 1")
+    print(sample(model, data.tokenizer, prompt if prompt is not None else "\n", max_new_tokens, temperature, k, p, seed))
+    return 0
