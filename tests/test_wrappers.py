@@ -187,8 +187,13 @@ def test_abs_pos_emb_off_when_the_stack_has_positions(positions):
     x = ids(2, 10)
     perm = torch.randperm(10)
     assert not torch.allclose(enc(x[:, perm]), enc(x)[:, perm], atol=1e-4)
-    # explicitly asked for, learned positions come back
-    assert isinstance(tiny_lm(use_abs_pos_emb=True, **positions).pos_emb, LearnedPositions)
+    # explicitly asked for, learned positions come back beside a relative scheme; beside the
+    # (absolute) position-infused sinusoids they would be a second absolute scheme
+    if "position_infused_attn" in positions:
+        with pytest.raises(ValueError, match="two absolute"):
+            tiny_lm(use_abs_pos_emb=True, **positions)
+    else:
+        assert isinstance(tiny_lm(use_abs_pos_emb=True, **positions).pos_emb, LearnedPositions)
 
 
 def test_abs_pos_emb_on_for_a_plain_stack():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .settings import PRESETS
 
@@ -55,8 +56,13 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.showwarning = _one_line_warning       # a command line shows warnings as one line each
     if argv[:1] == ["demo"]:
         from .demo import main as demo
 

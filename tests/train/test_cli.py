@@ -1,0 +1,167 @@
+"""The training command line, driven as a person would: real subprocesses on tiny settings."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["--preset", "tiny", "--train.progress", "false", "--data.max_bytes", "40000",
+        "--model.dim", "32", "--model.depth", "1", "--model.max_seq_len", "32"]
+
+
+def polyformer(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "polyformer", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def losses(run: Path, column: str = "train_loss") -> list[str]:
+    with open(run / "log.csv") as f:
+        return [row[column] for row in csv.DictReader(f)]
+
+
+def test_train_generate_eval(tmp_path):
+    run = tmp_path / "run"
+    done = polyformer("train", *TINY, "--steps", "40", "--out", str(run), "--train.eval_every", "20",
+                      "--train.lr", "5e-3")
+    assert done.returncode == 0, done.stderr
+    assert "val loss" in done.stdout and "done: 40 steps" in done.stdout
+    for name in ("config.json", "log.csv", "loss.png", "tokenizer.json"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["settings"]["train"]["steps"] == 40 and config["train"]["corpus_sha256"]
+    train = [float(v) for v in losses(run)]
+    assert len(train) == 40 and sum(train[-5:]) / 5 < train[0] - 1.0          # the loss falls
+    with open(run / "log.csv") as f:
+        assert set(csv.DictReader(f).fieldnames) >= {"step", "train_loss", "val_loss", "lr", "tokens_per_s"}
+    generated = polyformer("generate", "--run", str(run), "--max-new-tokens", "30", "--prompt", "def ")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("def ") and len(generated.stdout) > 4
+    evaluated = polyformer("eval", "--run", str(run))
+    assert evaluated.returncode == 0, evaluated.stderr
+    values = dict(zip(evaluated.stdout.split()[0::2], map(float, evaluated.stdout.split()[1::2])))
+    assert abs(values["perplexity"] - 2.718281828 ** values["loss"]) < 1e-2 * values["perplexity"]
+    assert abs(values["bits_per_byte"] - values["loss"] / 0.693147) < 1e-3   # byte-level: tokens are bytes
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = [*TINY, "--train.checkpoint_every", "3", "--train.eval_every", "100"]
+    straight = polyformer("train", *common, "--steps", "8", "--out", str(tmp_path / "a"))
+    first = polyformer("train", *common, "--steps", "4", "--out", str(tmp_path / "b"))
+    resumed = polyformer("train", "--resume", "--steps", "8", "--out", str(tmp_path / "b"), "--train.progress", "false")
+    for done in (straight, first, resumed):
+        assert done.returncode == 0, done.stderr
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")                   # bit for bit, as text
+
+
+def test_sigterm_saves_and_resume_matches(tmp_path):
+    common = [*TINY, "--train.checkpoint_every", "1000", "--train.eval_every", "1000"]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "polyformer", "train", *common, "--steps", "150", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and len(losses(run) if (run / "log.csv").exists() else []) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "checkpoint saved" in out
+    stopped_at = len(losses(run))
+    assert 3 <= stopped_at < 150 and (run / "checkpoints").is_dir()
+    resumed = polyformer("train", "--resume", "--out", str(run))         # the run's own 150 steps
+    assert resumed.returncode == 0, resumed.stderr
+    straight = polyformer("train", *common, "--steps", "150", "--out", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    assert losses(run) == losses(tmp_path / "straight")
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+    run = tmp_path / "run"
+    done = polyformer("train", *TINY, "--steps", "4", "--out", str(run), "--train.checkpoint_every", "2",
+                      "--train.eval_every", "100")
+    assert done.returncode == 0, done.stderr
+    latest = sorted((run / "checkpoints").iterdir())[-1]
+    weights = latest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])                          # truncated
+    resumed = polyformer("train", "--resume", "--steps", "6", "--out", str(run), "--train.progress", "false")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at step 2" in resumed.stdout and latest.name in resumed.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.dpth", "3"], "model.depth"),
+    (["--bogus"], "--bogus"),
+    (["--train.steps", "many"], "train.steps"),
+    (["--train.objective", "gan"], "train.objective"),
+    (["--data.paths", "/no/such/file.txt"], "/no/such/file.txt"),
+])
+def test_bad_settings_exit_nonzero_naming_them(tmp_path, args, message):
+    done = polyformer("train", *TINY, "--steps", "2", "--out", str(tmp_path / "run"), *args)
+    assert done.returncode != 0
+    assert message in done.stderr + done.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resume_with_nothing_and_an_existing_run_are_refused(tmp_path):
+    nothing = polyformer("train", "--resume", "--out", str(tmp_path / "none"))
+    assert nothing.returncode != 0 and "none" in nothing.stderr
+    run = tmp_path / "run"
+    assert polyformer("train", *TINY, "--steps", "2", "--out", str(run)).returncode == 0
+    before = (run / "log.csv").read_bytes()
+    again = polyformer("train", *TINY, "--steps", "2", "--out", str(run))
+    assert again.returncode != 0 and "--resume" in again.stderr
+    assert (run / "log.csv").read_bytes() == before                           # nothing overwritten
+    config = json.loads((run / "config.json").read_text())
+    config["polyformer_run_format"] = 99
+    (run / "config.json").write_text(json.dumps(config))
+    incompatible = polyformer("train", "--resume", "--steps", "3", "--out", str(run))
+    assert incompatible.returncode != 0 and "incompatible" in incompatible.stderr
+
+
+def test_config_files_toml_and_yaml(tmp_path):
+    (tmp_path / "c.toml").write_text('[model]\ndepth = 1\ndim = 32\nmax_seq_len = 32\n[train]\nsteps = 2\n')
+    (tmp_path / "c.yaml").write_text("model:\n  depth: 1\n  dim: 32\n  max_seq_len: 32\ntrain:\n  steps: 2\n")
+    for name in ("c.toml", "c.yaml"):
+        run = tmp_path / name.replace(".", "_")
+        done = polyformer("train", "--preset", "tiny", "--config", str(tmp_path / name), "--out", str(run),
+                          "--data.max_bytes", "40000", "--train.progress", "false")
+        assert done.returncode == 0, done.stderr
+        settings = json.loads((run / "config.json").read_text())["train"]["settings"]
+        assert settings["model"]["depth"] == 1 and settings["train"]["steps"] == 2
+    (tmp_path / "bad.toml").write_text("[model]\ndeepth = 2\n")
+    bad = polyformer("train", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "deepth" in bad.stderr
+
+
+@pytest.mark.parametrize("objective", ["mlm", "prefix_lm"])
+def test_other_objectives_lower_their_loss(tmp_path, objective):
+    run = tmp_path / objective
+    done = polyformer("train", *TINY, "--steps", "30", "--out", str(run), "--train.objective", objective,
+                      "--train.lr", "5e-3", "--train.eval_every", "100")
+    assert done.returncode == 0, done.stderr
+    train = [float(v) for v in losses(run)]
+    assert sum(train[-5:]) / 5 < train[0] - 0.5
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_equal_one(tmp_path):
+    common = [*TINY, "--steps", "4", "--train.batch_size", "8", "--train.eval_every", "100"]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "polyformer",
+                          "train", *common, "--out", str(tmp_path / "two")], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = polyformer("train", *common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    for a, b in zip(losses(tmp_path / "two"), losses(tmp_path / "one")):
+        assert abs(float(a) - float(b)) < 1e-4
+    assert not list((tmp_path / "two").glob("**/*rank1*"))                  # only rank 0 writes
