@@ -104,6 +104,9 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
            resume: bool, rank: int, world: int) -> int:
     settings = _settings_for(run_dir, preset, config_file, overrides, resume)
     t = settings.train
+    if t.fsdp:
+        raise SystemExit("polyformer: --fsdp (FSDP sharding) is not available yet; train with DDP (torchrun "
+                         "without --fsdp) meanwhile")
     if t.batch_size % world:
         raise SystemExit(f"polyformer: train.batch_size ({t.batch_size}) must be a multiple of the "
                          f"number of processes ({world})")
@@ -171,11 +174,11 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                 bar.update(1)
                 bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{rate:,.0f}")
             evaluate_now = step % t.eval_every == 0 or step == t.steps
-            val = evaluate(model, objective, settings, data).get("loss") if evaluate_now else None
+            metrics = evaluate(model, objective, settings, data) if evaluate_now else {}
             if logs is not None:
-                logs.write(step, total, val, scheduler.get_last_lr()[0], rate)
+                logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate)
                 if evaluate_now:
-                    _report(model, settings, data, step, val, bar)
+                    _report(model, settings, data, step, metrics, bar)
             if step % t.checkpoint_every == 0 or step == t.steps or stop.signal is not None:
                 if rank == 0:
                     save_checkpoint(run_dir, step, model, optimizer, scheduler,
@@ -245,8 +248,9 @@ def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Data
             "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
 
 
-def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, val: float | None, bar: Any) -> None:
-    text = f"step {step}: val loss {val:.4f}"
+def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metrics: dict[str, float],
+            bar: Any) -> None:
+    text = f"step {step}: " + "  ".join(f"val {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
     if settings.train.objective in ("lm", "prefix_lm"):
         text += "\n" + sample(model, data.tokenizer, "\n", settings.train.sample_tokens, 0.8, 40, None, step)
     (bar.write if bar is not None else print)(text)
