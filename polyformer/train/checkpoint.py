@@ -1,6 +1,6 @@
 """Checkpoints of a training run, kept in one run directory:
 
-    RUN/config.json                      the run's config: model_config, training settings, formats
+    RUN/config.json                      the run's config (see run.py)
     RUN/checkpoints/step-000123/
         model.safetensors                the weights (a tensor that aliases another is stored once)
         state.pt                         optimizer, scheduler, RNG, data position, step, extra: tensors
@@ -15,11 +15,9 @@ writes a run directory (rank 0): hidden leftovers of an interrupted save are rem
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import uuid
@@ -31,12 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..build import build_model, model_config
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy is optional
-    np = None
+from .files import fsync_dir, sha256_file
+from .rng import restore_rng, rng_state
 
 try:
     from safetensors import SafetensorError, safe_open
@@ -45,9 +39,8 @@ except ImportError:  # pragma: no cover - exercised only without the optional ex
     safe_open = save_file = None
     SafetensorError = OSError
 
-RUN_FORMAT = 1               # config.json "polyformer_run_format"
 CHECKPOINT_FORMAT = 1        # manifest.json, state.pt and model.safetensors "format"
-CONFIG, WEIGHTS, STATE, MANIFEST = "config.json", "model.safetensors", "state.pt", "manifest.json"
+WEIGHTS, STATE, MANIFEST = "model.safetensors", "state.pt", "manifest.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _HIDDEN = (".tmp-", ".old-", ".del-")   # a save in progress, a replaced step, a pruned step
 
@@ -59,152 +52,6 @@ class ResumeError(ValueError):
 def _need_safetensors() -> None:
     if save_file is None:
         raise ImportError("checkpoints need safetensors: pip install safetensors")
-
-
-# ---- files: atomic writes, checksums ------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (where directories can be opened: not on Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# ---- run config -----------------------------------------------------------------------------------
-
-def run_config(model: nn.Module, train: dict[str, Any]) -> dict[str, Any]:
-    """The whole config of a run: {"model": model_config(model), "train": the training settings}."""
-    return {"model": model_config(model), "train": dict(train)}
-
-
-def save_run_config(run_dir: str | os.PathLike, config: dict[str, Any], overwrite: bool = False) -> Path:
-    """Write RUN/config.json atomically, adding "polyformer_run_format" and "polyformer_version".
-
-    Refuses (ValueError) a run directory written by an incompatible version, and (FileExistsError)
-    an existing config unless `overwrite=True`; in both cases nothing is written.
-    """
-    from .. import __version__
-
-    run_dir = Path(run_dir)
-    path = run_dir / CONFIG
-    if path.exists():
-        load_run_config(run_dir)          # another version's run directory is never overwritten
-        if not overwrite:
-            raise FileExistsError(f"{str(path)!r} exists: resume that run, use a new run directory, "
-                                  "or pass overwrite=True")
-    full = {**config, "polyformer_run_format": RUN_FORMAT, "polyformer_version": __version__}
-    try:
-        text = json.dumps(full, indent=2, sort_keys=True)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"run config must be plain JSON data (dict, list, str, number, bool, None): {error}") from error
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, (text + "\n").encode())
-    return path
-
-
-def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """RUN/config.json; FileNotFoundError for a missing run directory or config, ValueError for a
-    run directory written by an incompatible version of polyformer."""
-    from .. import __version__
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
-    path = run_dir / CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} does not exist: {str(run_dir)!r} is not a polyformer run directory")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"run config {str(path)!r} is not readable JSON ({error})") from error
-    found = config.get("polyformer_run_format") if isinstance(config, dict) else None
-    if found != RUN_FORMAT:
-        what = "no run format" if found is None else f"run format {found!r}"
-        version = config.get("polyformer_version", "unknown") if isinstance(config, dict) else "unknown"
-        raise ValueError(f"run directory {str(run_dir)!r} was written by an incompatible version of polyformer "
-                         f"({CONFIG} has {what}, polyformer {version}); this polyformer {__version__} reads run "
-                         f"format {RUN_FORMAT}. Nothing was changed: use a new run directory")
-    return config
-
-
-def model_from_run(run_dir: str | os.PathLike) -> nn.Module:
-    """A freshly initialised model built from RUN/config.json ("model"), ready for `load_checkpoint`."""
-    config = load_run_config(run_dir)
-    if not isinstance(config.get("model"), dict):
-        raise ValueError(f"{str(Path(run_dir) / CONFIG)!r} has no 'model' entry (a model_config dict)")
-    return build_model(config["model"])
-
-
-# ---- RNG ----------------------------------------------------------------------------------------
-
-def rng_state() -> dict[str, Any]:
-    """Torch CPU (and CUDA, if in use), Python `random` and numpy's global RNG, as tensors and plain types."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "cuda": None, "numpy": None,
-                             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                                        "gauss": gauss}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if np is not None:
-        saved = np.random.get_state(legacy=True)
-        if isinstance(saved, tuple):            # MT19937, the global RandomState's generator
-            name, keys, pos, has_gauss, cached = saved
-            state["numpy"] = {"bit_generator": name, "keys": torch.from_numpy(keys.astype(np.int64)),
-                              "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back the RNG states captured by `rng_state` (ValueError if malformed)."""
-    try:
-        torch.set_rng_state(state["torch"])
-        py = state["python"]
-        random.setstate((int(py["version"]), tuple(py["state"].tolist()), py["gauss"]))
-        if state.get("cuda") is not None:
-            if torch.cuda.is_available() and torch.cuda.device_count() == len(state["cuda"]):
-                torch.cuda.set_rng_state_all(state["cuda"])
-            else:
-                warnings.warn("the checkpoint holds CUDA RNG states for another set of devices: not restored",
-                              stacklevel=2)
-        if state.get("numpy") is not None:
-            if np is None:
-                warnings.warn("the checkpoint holds numpy's RNG state but numpy is not installed: not restored",
-                              stacklevel=2)
-            else:
-                n = state["numpy"]
-                np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                                     n["has_gauss"], n["cached_gaussian"]))
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as error:
-        raise ValueError(f"RNG state is malformed ({type(error).__name__}: {error})") from error
 
 
 # ---- what goes into a checkpoint ------------------------------------------------------------------
@@ -251,7 +98,7 @@ def _weights(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def _write_manifest(directory: Path, step: int) -> None:
-    files = {name: {"sha256": _sha256(directory / name), "size": (directory / name).stat().st_size}
+    files = {name: {"sha256": sha256_file(directory / name), "size": (directory / name).stat().st_size}
              for name in (WEIGHTS, STATE)}
     manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
     with open(directory / MANIFEST, "w") as f:
@@ -338,11 +185,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
             f.flush()
             os.fsync(f.fileno())
         _write_manifest(tmp, step)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():              # a directory cannot be renamed onto a non-empty one
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():
@@ -381,7 +228,7 @@ def _problem(path: Path) -> str | None:
         size = file.stat().st_size
         if size != entry["size"]:
             return f"{name} is {size} bytes, the manifest says {entry['size']} (truncated?)"
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             return f"{name} does not match its sha256 checksum (corrupted or edited)"
     match = _STEP_DIR.fullmatch(path.name)
     if match is None or manifest.get("step") != int(match.group(1)):

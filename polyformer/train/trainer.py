@@ -23,8 +23,8 @@ from torch import nn
 from ..build import build_model
 from ..generate.decode import AutoregressiveWrapper
 from ..generate.sampling import top_k, top_p
-from .checkpoint import (load_checkpoint, load_run_config, resume_checkpoint, run_config, save_checkpoint,
-                         save_run_config)
+from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from .run import load_run_config, run_config, save_run_config
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
 from .settings import RunSettings, from_dict, resolve, to_dict

@@ -15,8 +15,9 @@ from safetensors import safe_open  # noqa: E402
 from polyformer import Decoder, TransformerWrapper, build_model  # noqa: E402
 from polyformer.train import checkpoint  # noqa: E402
 from polyformer.train.checkpoint import (  # noqa: E402
-    ResumeError, latest_checkpoint, list_checkpoints, load_checkpoint, load_run_config, model_from_run, restore_rng,
-    resume_checkpoint, rng_state, run_config, save_checkpoint, save_run_config)
+    ResumeError, latest_checkpoint, list_checkpoints, load_checkpoint, resume_checkpoint, save_checkpoint)
+from polyformer.train.rng import restore_rng, rng_state  # noqa: E402
+from polyformer.train.run import load_run_config, model_from_run, run_config, save_run_config  # noqa: E402
 
 NUM_TOKENS = 32
 DATA = torch.randint(0, NUM_TOKENS, (4096,), generator=torch.Generator().manual_seed(7))
