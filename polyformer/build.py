@@ -23,17 +23,22 @@ def model_config(model: nn.Module) -> dict[str, Any]:
     an XTransformer is its keywords alone (its stacks are built from them)."""
     if isinstance(model, AttentionLayers):
         return {"format": FORMAT, "class": None, "args": {},
-                "layers": {"class": type(model).__name__, "config": to_dict(model.cfg)}}
+                "layers": {"class": _stack_name(model), "config": to_dict(model.cfg)}}
     if isinstance(model, XTransformer):
         args = dict(model.init_args)
         json.dumps(args)
         return {"format": FORMAT, "class": "XTransformer", "args": args, "layers": None}
-    if type(model).__name__ not in WRAPPERS:
+    kind = next((name for name, cls in WRAPPERS.items() if isinstance(model, cls)), None)
+    if kind is None:      # (isinstance: wrapping such as FSDP's subclasses the model's class)
         raise TypeError(f"model_config takes a polyformer wrapper or stack, got {type(model).__name__}")
     args = {k: v for k, v in model.init_args.items() if k != "attn_layers"}
     json.dumps(args)      # every wrapper argument is plain data
-    return {"format": FORMAT, "class": type(model).__name__, "args": args,
-            "layers": {"class": type(model.attn_layers).__name__, "config": to_dict(model.attn_layers.cfg)}}
+    return {"format": FORMAT, "class": kind, "args": args,
+            "layers": {"class": _stack_name(model.attn_layers), "config": to_dict(model.attn_layers.cfg)}}
+
+
+def _stack_name(stack: AttentionLayers) -> str:
+    return next(c.__name__ for c in type(stack).__mro__ if c.__name__ in STACKS)
 
 
 def build_model(config: dict[str, Any]) -> nn.Module:

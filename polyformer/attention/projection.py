@@ -15,7 +15,7 @@ from ..position.sinusoidal import PositionInfusion
 def split_heads(t: Tensor, heads: int) -> Tensor:
     """(b, n, h * d) -> (b, h, n, d), a view."""
     b, n, _ = t.shape
-    return t.view(b, n, heads, -1).transpose(1, 2)
+    return t.view(b, n, heads, t.shape[-1] // heads).transpose(1, 2)   # explicit d: n may be 0 (empty context)
 
 
 class Projection(nn.Module):

@@ -311,14 +311,28 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def _restore(path: Path, state: dict[str, Any], optimizer: Any | None, scheduler: Any | None) -> None:
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is None:
+            continue
+        if state[name] is None:
+            raise ValueError(f"checkpoint {str(path)!r} has no {name} state")
+        try:
+            obj.load_state_dict(state[name])
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            raise ValueError(f"checkpoint {str(path)!r}: the saved {name} state does not fit this "
+                             f"{type(obj).__name__} ({error})") from error
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any | None = None, rng: bool = True) -> dict[str, Any]:
     """Restore a checkpoint written by `save_checkpoint`.
 
     Args:
         path: a checkpoint directory (from `latest_checkpoint` / `resume_checkpoint`).
         model: gets the weights, strictly: a missing, unexpected or differently shaped / typed tensor
-            raises ValueError listing every mismatch, before anything is changed.
+            raises ValueError listing every mismatch, before anything is changed (None: left alone,
+            e.g. a sharded model's optimizer restored after its weights).
         optimizer, scheduler: get their saved state (None: left alone).
         rng: restore the torch / Python / numpy RNG states (`restore_rng`).
 
@@ -333,19 +347,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if problem is not None:
         raise ValueError(f"checkpoint {str(path)!r} is corrupt: {problem}")
     state = _read_state(path)
-    tensors = _read_weights(path, model)
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
-        if obj is None:
-            continue
-        if state[name] is None:
-            raise ValueError(f"checkpoint {str(path)!r} has no {name} state")
-        try:
-            obj.load_state_dict(state[name])
-        except (ValueError, KeyError, TypeError, RuntimeError) as error:
-            raise ValueError(f"checkpoint {str(path)!r}: the saved {name} state does not fit this "
-                             f"{type(obj).__name__} ({error})") from error
-    with torch.no_grad():
-        model.load_state_dict(tensors, strict=True)
+    tensors = _read_weights(path, model) if model is not None else None
+    _restore(path, state, optimizer, scheduler)
+    if tensors is not None:
+        with torch.no_grad():
+            model.load_state_dict(tensors, strict=True)
     if rng:
         restore_rng(state["rng"])
     return {"step": state["step"], "data_state": state["data_state"], "extra": state["extra"], "path": path}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import sys
 import time
@@ -24,6 +23,7 @@ from ..build import build_model
 from ..generate.decode import AutoregressiveWrapper
 from ..generate.sampling import top_k, top_p
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from .distributed import Gathered, join, shard
 from .run import load_run_config, run_config, save_run_config
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
@@ -52,14 +52,6 @@ class Stop:
             signal.signal(sig, handler)
 
 
-def distributed() -> tuple[int, int]:
-    """(rank, world size); joins the process group when started by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
 def say(rank: int, text: str) -> None:
     if rank == 0:
         print(text, flush=True)
@@ -67,7 +59,7 @@ def say(rank: int, text: str) -> None:
 
 def train(out: str, preset: str | None = None, config_file: str | None = None,
           overrides: list[tuple[str, str]] | None = None, resume: bool = False) -> int:
-    rank, world = distributed()
+    rank, world = join()
     try:
         return _train(Path(out), preset, config_file, overrides or [], resume, rank, world)
     finally:
@@ -104,9 +96,9 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
            resume: bool, rank: int, world: int) -> int:
     settings = _settings_for(run_dir, preset, config_file, overrides, resume)
     t = settings.train
-    if t.fsdp:
-        raise SystemExit("polyformer: --fsdp (FSDP sharding) is not available yet; train with DDP (torchrun "
-                         "without --fsdp) meanwhile")
+    if t.fsdp and world == 1:
+        raise SystemExit("polyformer: --fsdp shards the model across processes: start the run with "
+                         "torchrun --nproc_per_node=N -m polyformer train ... --fsdp")
     if t.batch_size % world:
         raise SystemExit(f"polyformer: train.batch_size ({t.batch_size}) must be a multiple of the "
                          f"number of processes ({world})")
@@ -121,24 +113,31 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     model = build_run_model(settings, data)
     objective = build_objective(settings, data, rank, world)
     objective.check(model)
+    if rank == 0 and not resume:
+        save_run_config(run_dir, run_config(model, {"settings": to_dict(settings), "corpus_sha256": data.corpus_sha256}))
+    checkpoint = resume_checkpoint(run_dir) if resume else None
+    if t.fsdp:                    # full weights go in before sharding, the optimizer state after
+        state = load_checkpoint(checkpoint, model) if resume else None
+        shard(model)
     optimizer = optimizer_for(model, t.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup, t.steps, t.min_lr_ratio))
     batches = train_batches(settings, data, objective, rank, world)
     step = 0
     if resume:
-        state = load_checkpoint(resume_checkpoint(run_dir), model, optimizer, scheduler)
+        if t.fsdp:
+            load_checkpoint(checkpoint, None, Gathered(model, optimizer), scheduler, rng=False)
+        else:
+            state = load_checkpoint(checkpoint, model, optimizer, scheduler)
         step = state["step"]
         batches.load_state_dict(state["data_state"]["batches"])
         objective.load_state_dict(state["data_state"]["objective"])
-    elif rank == 0:
-        save_run_config(run_dir, run_config(model, {"settings": to_dict(settings), "corpus_sha256": data.corpus_sha256}))
     params = sum(p.numel() for p in model.parameters())
     say(rank, f"run {run_dir}: {params:,} parameters, objective {t.objective}, "
               f"{'resuming at step ' + str(step) if resume else 'new'}"
               + (f", corpus sha256 {data.corpus_sha256[:16]}, {data.train.numel():,} train / "
                  f"{data.val.numel():,} validation tokens" if data.train is not None else ""))
-    net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 and not t.fsdp else model
     if t.compile:
         net = torch.compile(net)
     logs = _Logs(run_dir, step if resume else None) if rank == 0 else None
@@ -177,11 +176,14 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
             metrics = evaluate(model, objective, settings, data) if evaluate_now else {}
             if logs is not None:
                 logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate)
-                if evaluate_now:
-                    _report(model, settings, data, step, metrics, bar)
+            if evaluate_now and (rank == 0 or t.fsdp):   # a sharded model samples on every rank
+                _report(model, settings, data, step, metrics, bar, show=rank == 0)
             if step % t.checkpoint_every == 0 or step == t.steps or stop.signal is not None:
+                weights, optimizer_state = model, optimizer
+                if t.fsdp:            # gathering is collective: every rank takes part, rank 0 writes
+                    weights, optimizer_state = Gathered(model).gather(), Gathered(model, optimizer).gather()
                 if rank == 0:
-                    save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                    save_checkpoint(run_dir, step, weights, optimizer_state, scheduler,
                                     data_state={"batches": batches.state_dict(), "objective": objective.state_dict()},
                                     keep_last=t.keep_last)
                 if world > 1:
@@ -249,11 +251,12 @@ def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Data
 
 
 def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metrics: dict[str, float],
-            bar: Any) -> None:
+            bar: Any, show: bool = True) -> None:
     text = f"step {step}: " + "  ".join(f"val {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
     if settings.train.objective in ("lm", "prefix_lm"):
         text += "\n" + sample(model, data.tokenizer, "\n", settings.train.sample_tokens, 0.8, 40, None, step)
-    (bar.write if bar is not None else print)(text)
+    if show:
+        (bar.write if bar is not None else print)(text)
 
 
 @torch.no_grad()

@@ -165,3 +165,40 @@ def test_torchrun_two_processes_equal_one(tmp_path):
     for a, b in zip(losses(tmp_path / "two"), losses(tmp_path / "one")):
         assert abs(float(a) - float(b)) < 1e-4
     assert not list((tmp_path / "two").glob("**/*rank1*"))                  # only rank 0 writes
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "polyformer",
+                           *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_fsdp_equals_one_process_and_resumes_exactly(tmp_path):
+    common = [*TINY, "--train.batch_size", "8", "--train.eval_every", "100", "--train.checkpoint_every", "3"]
+    sharded = torchrun("train", *common, "--steps", "6", "--out", str(tmp_path / "fsdp"), "--fsdp")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    one = polyformer("train", *common, "--steps", "6", "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    for a, b in zip(losses(tmp_path / "fsdp"), losses(tmp_path / "one")):
+        assert abs(float(a) - float(b)) < 1e-4
+    half = torchrun("train", *common, "--steps", "3", "--out", str(tmp_path / "half"), "--fsdp")
+    resumed = torchrun("train", "--resume", "--steps", "6", "--out", str(tmp_path / "half"))
+    assert half.returncode == 0 and resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path / "half") == losses(tmp_path / "fsdp")                # bit for bit
+    generated = polyformer("generate", "--run", str(tmp_path / "half"), "--max-new-tokens", "5")
+    assert generated.returncode == 0, generated.stderr                          # full weights on disk
+
+
+def test_fsdp_needs_torchrun(tmp_path):
+    done = polyformer("train", *TINY, "--steps", "2", "--out", str(tmp_path / "run"), "--fsdp")
+    assert done.returncode != 0 and "torchrun" in done.stderr
+
+
+def test_bf16_autocast_trains(tmp_path):
+    run = tmp_path / "bf16"
+    done = polyformer("train", *TINY, "--steps", "30", "--out", str(run), "--train.bf16", "true",
+                      "--train.lr", "5e-3", "--train.eval_every", "100")
+    assert done.returncode == 0, done.stderr
+    train = [float(v) for v in losses(run)]
+    assert all(v == v for v in train) and sum(train[-5:]) / 5 < train[0] - 0.5

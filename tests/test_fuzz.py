@@ -1,0 +1,477 @@
+"""Random valid configurations through the same properties (issue 7).
+
+A draw is plain data: a wrapper (token, continuous, ViT, encoder-decoder), a stack class and
+keyword dicts over the keyword table — positions x norm x residual x attention x feedforward x
+layout x memory / XL. Each draw is built through the public classes. A draw the library refuses
+must be refused at construction with a `ValueError` / `TypeError` that names a drawn keyword; it is
+then discarded. Every built model must then run, and keep the properties below.
+
+Profiles: "ci" (default; few examples, derandomized so CI is reproducible) and "slow"
+(`POLYFORMER_HYPOTHESIS_PROFILE=slow`, `POLYFORMER_HYPOTHESIS_EXAMPLES` per property, 2000 unless
+set). Run with `--hypothesis-show-statistics` to see how many draws were tried and refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from polyformer import (AutoregressiveWrapper, ContinuousTransformerWrapper, Decoder, Encoder,
+                        TransformerWrapper, ViTransformerWrapper, XTransformer, build_model, model_config)
+from polyformer.stack import AttentionLayers
+from tests.options import perturb
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+settings.register_profile("slow", max_examples=int(os.environ.get("POLYFORMER_HYPOTHESIS_EXAMPLES", "2000")),
+                          deadline=None, database=None, suppress_health_check=_HEALTH, print_blob=True)
+PROFILE = os.environ.get("POLYFORMER_HYPOTHESIS_PROFILE", "ci")
+FUZZ = settings(settings.get_profile(PROFILE))     # applied per test: other modules keep their settings
+
+NUM_TOKENS = 16
+MAX_SEQ_LEN = 12
+IMAGE = 8
+
+# ---------------------------------------------------------------------------------------------
+# draws
+
+
+def sometimes(values: st.SearchStrategy, p: int = 4) -> st.SearchStrategy:
+    """None (keyword not given) p times out of p + 1; shrinks towards None."""
+    return st.sampled_from((False,) * p + (True,)).flatmap(lambda on: values if on else st.none())
+
+
+TRUE = st.just(True)
+BOOL = st.booleans()
+
+# one row per layer keyword: how often it is drawn and which values (some out of range on purpose)
+LAYER_SPACE: dict[str, st.SearchStrategy] = {
+    # positions
+    "rotary_pos_emb": sometimes(TRUE, 3),
+    "rotary_emb_dim": sometimes(st.sampled_from([2, 4, 3]), 8),
+    "rotary_base": sometimes(st.sampled_from([100.0, 10000.0]), 8),
+    "rotary_interleaved": sometimes(BOOL, 6),
+    "position_infused_attn": sometimes(TRUE, 6),
+    "rel_pos_bias": sometimes(TRUE, 4),
+    "rel_pos_num_buckets": sometimes(st.sampled_from([2, 4, 8]), 8),
+    "rel_pos_max_distance": sometimes(st.sampled_from([3, 8, 16]), 8),
+    "alibi_pos_emb": sometimes(TRUE, 4),
+    "alibi_pos_bias": sometimes(TRUE, 12),
+    "alibi_num_heads": sometimes(st.sampled_from([1, 2, 3]), 8),
+    # norm and residual
+    "pre_norm": sometimes(BOOL, 4),
+    "sandwich_norm": sometimes(TRUE, 6),
+    "use_scalenorm": sometimes(TRUE, 6),
+    "use_rmsnorm": sometimes(TRUE, 5),
+    "use_rezero": sometimes(TRUE, 6),
+    "gate_residual": sometimes(TRUE, 6),
+    "norm_eps": sometimes(st.sampled_from([1e-6, 1e-3]), 10),
+    # attention
+    "attn_dim_head": sometimes(st.sampled_from([4, 8, 6, 5]), 2),
+    "attn_kv_heads": sometimes(st.sampled_from([1, 2, 3]), 4),
+    "attn_one_kv_head": sometimes(TRUE, 10),
+    "attn_dropout": sometimes(st.sampled_from([0.1, 0.5]), 6),
+    "attn_num_mem_kv": sometimes(st.sampled_from([1, 3]), 4),
+    "attn_sparse_topk": sometimes(st.sampled_from([1, 2, 4, 32]), 6),
+    "attn_use_entmax15": sometimes(TRUE, 8),
+    "attn_talking_heads": sometimes(TRUE, 6),
+    "attn_collab_heads": sometimes(TRUE, 6),
+    "attn_collab_compression": sometimes(st.sampled_from([0.25, 0.5, 1.0]), 10),
+    "attn_on_attn": sometimes(TRUE, 6),
+    "gate_values": sometimes(TRUE, 6),
+    "attn_gate_values": sometimes(TRUE, 12),
+    "attn_flash": sometimes(BOOL, 5),
+    # feedforward
+    "ff_mult": sometimes(st.sampled_from([1, 2, 0.5]), 3),
+    "ff_glu": sometimes(TRUE, 4),
+    "ff_relu_squared": sometimes(TRUE, 6),
+    "ff_swish": sometimes(TRUE, 6),
+    "ff_dropout": sometimes(st.sampled_from([0.1, 0.5]), 6),
+    "ff_no_bias": sometimes(TRUE, 6),
+    # layout
+    "macaron": sometimes(TRUE, 6),
+    "sandwich_coef": sometimes(st.sampled_from([1, 2]), 8),
+    "custom_layers": sometimes(st.lists(st.sampled_from("acf"), min_size=1, max_size=4).map("".join), 8),
+    "shift_tokens": sometimes(st.one_of(st.sampled_from([1, 2]),
+                                       st.lists(st.sampled_from([0, 1, 2]), min_size=2, max_size=6).map(tuple)), 4),
+    "residual_attn": sometimes(TRUE, 6),
+    "cross_residual_attn": sometimes(TRUE, 10),
+    "cross_attend": sometimes(TRUE, 6),
+    "only_cross": sometimes(TRUE, 12),
+    "dim_context": sometimes(st.sampled_from([8, 12]), 10),
+    "gradient_checkpointing": sometimes(TRUE, 8),
+}
+
+SEQ_WRAPPER_SPACE: dict[str, st.SearchStrategy] = {
+    "num_memory_tokens": sometimes(st.sampled_from([1, 2]), 4),
+    "max_mem_len": sometimes(st.sampled_from([3, 6]), 4),
+    "shift_mem_down": sometimes(st.sampled_from([1, 2]), 8),
+    "use_abs_pos_emb": sometimes(BOOL, 4),
+    "scaled_sinu_pos_emb": sometimes(TRUE, 6),
+    "emb_dropout": sometimes(st.sampled_from([0.1]), 8),
+}
+TOKEN_SPACE = {**SEQ_WRAPPER_SPACE, "emb_dim": sometimes(st.sampled_from([8, 12]), 6),
+               "tie_embedding": sometimes(TRUE, 6)}
+CONTINUOUS_SPACE = {**SEQ_WRAPPER_SPACE, "dim_in": sometimes(st.sampled_from([5]), 3),
+                    "dim_out": sometimes(st.sampled_from([3]), 3)}
+VIT_SPACE = {"patch_size": st.sampled_from([2, 4, 3]), "channels": sometimes(st.sampled_from([1, 2]), 2),
+             "num_classes": sometimes(st.sampled_from([5]), 2), "emb_dropout": sometimes(st.just(0.1), 8)}
+XT_SPACE = {"tie_token_emb": sometimes(TRUE, 4), "num_memory_tokens": sometimes(st.sampled_from([1, 2]), 5),
+            "use_abs_pos_emb": sometimes(BOOL, 5), "scaled_sinu_pos_emb": sometimes(TRUE, 8)}
+XT_DECODER_ONLY = ("cross_residual_attn", "custom_layers", "dim_context")
+XT_NOT_GIVEN = ("cross_attend",)                      # XTransformer sets dec_cross_attend itself
+
+WRAPPERS = ("token", "continuous", "vit", "xtransformer")
+# keywords that are the same option under two spellings
+ALIASES = {"alibi_pos_bias": "alibi_pos_emb", "attn_gate_values": "gate_values", "attn_one_kv_head": "attn_kv_heads"}
+
+
+def keyword_dict(space: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    return st.fixed_dictionaries(space).map(lambda d: {k: v for k, v in d.items() if v is not None})
+
+
+@dataclass
+class Case:
+    wrapper: str
+    stack: str                          # "Encoder", "Decoder", "AttentionLayers"
+    dim: int
+    depth: int
+    heads: int
+    layers: dict[str, Any]
+    wrap: dict[str, Any]
+    batch: int
+    n: int
+    context_len: int
+    seed: int
+    mask_bits: list[bool] = field(default_factory=list)
+
+    @property
+    def causal(self) -> bool:
+        return self.stack == "Decoder" or (self.stack == "AttentionLayers" and bool(self.layers.get("causal")))
+
+    def keywords(self) -> set[str]:
+        """The keywords a refusal may name."""
+        return {"dim", "depth", "heads", *self.layers, *self.wrap}
+
+
+@st.composite
+def cases(draw, wrappers: tuple[str, ...] = WRAPPERS, causal: bool | None = None) -> Case:
+    wrapper = draw(st.sampled_from(wrappers))
+    if wrapper == "vit":
+        stack = "Encoder"
+    elif wrapper == "xtransformer":
+        stack = "Decoder"                       # the decoder side; the encoder side is an Encoder
+    elif causal is None:
+        stack = draw(st.sampled_from(["Decoder", "Encoder", "AttentionLayers"]))
+    else:
+        stack = "Decoder" if causal else "Encoder"
+    if causal is not None and wrapper in ("vit", "xtransformer") and causal != (wrapper == "xtransformer"):
+        assume(False)
+    layers = draw(keyword_dict(LAYER_SPACE))
+    if stack == "AttentionLayers":
+        layers["causal"] = draw(BOOL) if causal is None else causal
+    if wrapper in ("vit", "xtransformer"):
+        for k in XT_NOT_GIVEN:
+            layers.pop(k, None)
+    space = {"token": TOKEN_SPACE, "continuous": CONTINUOUS_SPACE, "vit": VIT_SPACE, "xtransformer": XT_SPACE}[wrapper]
+    wrap = draw(keyword_dict(space))
+    n = draw(st.integers(2, 10))
+    return Case(wrapper=wrapper, stack=stack, dim=draw(st.sampled_from([16, 24, 32])), depth=draw(st.sampled_from([1, 2])),
+                heads=draw(st.sampled_from([1, 2, 4])), layers=layers, wrap=wrap,
+                batch=draw(st.sampled_from([2, 1, 3])), n=n, context_len=draw(st.sampled_from([3, 5, 1, 0])),
+                seed=draw(st.integers(0, 2 ** 16)),
+                mask_bits=draw(st.lists(st.sampled_from([True, True, True, False]), min_size=3 * n, max_size=3 * n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+
+
+STACKS = {"Encoder": Encoder, "Decoder": Decoder, "AttentionLayers": AttentionLayers}
+
+
+def construct(case: Case) -> torch.nn.Module:
+    """Build the drawn model through the public classes (may raise: the draw may be invalid)."""
+    torch.manual_seed(case.seed)
+    if case.wrapper == "xtransformer":
+        enc = {f"enc_{k}": v for k, v in case.layers.items() if k not in XT_DECODER_ONLY}
+        dec = {f"dec_{k}": v for k, v in case.layers.items()}
+        sides = {f"{side}_{k}": v for k, v in case.wrap.items() if k != "tie_token_emb" for side in ("enc", "dec")}
+        return XTransformer(dim=case.dim, tie_token_emb=case.wrap.get("tie_token_emb", False),
+                            enc_num_tokens=NUM_TOKENS, enc_max_seq_len=MAX_SEQ_LEN, enc_depth=case.depth,
+                            enc_heads=case.heads, dec_num_tokens=NUM_TOKENS, dec_max_seq_len=MAX_SEQ_LEN,
+                            dec_depth=case.depth, dec_heads=case.heads, **enc, **dec, **sides)
+    layers = STACKS[case.stack](dim=case.dim, depth=case.depth, heads=case.heads, **case.layers)
+    if case.wrapper == "token":
+        return TransformerWrapper(num_tokens=NUM_TOKENS, max_seq_len=MAX_SEQ_LEN, attn_layers=layers, **case.wrap)
+    if case.wrapper == "continuous":
+        return ContinuousTransformerWrapper(max_seq_len=MAX_SEQ_LEN, attn_layers=layers, **case.wrap)
+    return ViTransformerWrapper(image_size=IMAGE, attn_layers=layers, **case.wrap)
+
+
+def names_keyword(message: str, keyword: str) -> bool:
+    spellings = {keyword, ALIASES.get(keyword, keyword)}
+    return any(re.search(rf"(?<![A-Za-z0-9_])(?:enc_|dec_)?{re.escape(s)}(?![A-Za-z0-9_])", message)
+               for s in spellings)
+
+
+def build(case: Case) -> torch.nn.Module:
+    """The drawn model, perturbed off its initial values (ReZero / gates start as identities);
+    a refused draw must be refused with a message naming a drawn keyword, and is discarded."""
+    note(repr(case))
+    try:
+        model = construct(case)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        named = [k for k in sorted(case.keywords()) if names_keyword(message, k)]
+        assert named, f"refusal names none of the drawn keywords {sorted(case.keywords())}: {message}"
+        event(f"refused: {re.sub(r'[0-9]+', 'N', message)[:90]}")
+        assume(False)
+    event("built")
+    return perturb(model, seed=case.seed + 1, scale=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs and one forward per wrapper kind
+
+
+def stack_of(model: torch.nn.Module) -> AttentionLayers:
+    return model.decoder.net.attn_layers if isinstance(model, XTransformer) else model.attn_layers
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor                     # ids (b, n), vectors (b, n, d), images, or src ids (XTransformer)
+    mask: torch.Tensor | None = None    # (b, n) padding of x
+    context: torch.Tensor | None = None
+    context_mask: torch.Tensor | None = None
+    tgt: torch.Tensor | None = None     # XTransformer decoder input
+
+
+def make_inputs(case: Case, model: torch.nn.Module, masked: bool = True, seed: int = 0) -> Inputs:
+    g = torch.Generator().manual_seed(case.seed + seed)
+    b, n = case.batch, case.n
+    bits = torch.tensor(case.mask_bits).view(3, n)
+    mask = bits[:1].expand(b, n).clone() if b == 1 else bits[:b].clone()
+    if masked:
+        mask[:, -1] = True                          # every row keeps at least one position
+    else:
+        mask = None
+    if case.wrapper == "vit":
+        channels = case.wrap.get("channels", 3)
+        return Inputs(torch.randn(b, channels, IMAGE, IMAGE, generator=g))
+    if case.wrapper == "xtransformer":
+        return Inputs(torch.randint(0, NUM_TOKENS, (b, n), generator=g), mask=mask,
+                      tgt=torch.randint(0, NUM_TOKENS, (b, n), generator=g))
+    if case.wrapper == "token":
+        x = torch.randint(0, NUM_TOKENS, (b, n), generator=g)
+    else:
+        x = torch.randn(b, n, model.dim_in, generator=g)
+    inp = Inputs(x, mask=mask)
+    stack = model.attn_layers
+    if stack.has_cross:
+        m = case.context_len
+        inp.context = torch.randn(b, m, stack.cfg.dim_context or stack.dim, generator=g)
+        if masked:
+            inp.context_mask = torch.rand(b, m, generator=g) > 0.3
+    return inp
+
+
+def run(model: torch.nn.Module, inp: Inputs, **kwargs: Any) -> torch.Tensor:
+    """The model's float output: logits, vectors, class logits / patches, decoder logits."""
+    if isinstance(model, XTransformer):
+        enc = model.encoder(inp.x, mask=inp.mask, return_embeddings=True)
+        return model.decoder.net(inp.tgt, context=enc, context_mask=inp.mask, **kwargs)
+    if isinstance(model, ViTransformerWrapper):
+        return model(inp.x)
+    return model(inp.x, mask=inp.mask, context=inp.context, context_mask=inp.context_mask, **kwargs)
+
+
+def replaced(x: torch.Tensor, where: torch.Tensor, seed: int = 7) -> torch.Tensor:
+    """x with the positions `where` (b, n) given other values (token ids or vectors)."""
+    g = torch.Generator().manual_seed(seed)
+    if x.dtype.is_floating_point:
+        other = torch.randn(x.shape, generator=g)
+        return torch.where(where[..., None], other, x)
+    other = (x + torch.randint(1, NUM_TOKENS, x.shape, generator=g)) % NUM_TOKENS
+    return torch.where(where, other, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# properties
+
+
+@FUZZ
+@given(case=cases())
+def test_forward_and_backward_are_finite(case):
+    model = build(case).train()
+    inp = make_inputs(case, model)
+    if isinstance(model, XTransformer):
+        out = model(inp.x, inp.tgt, src_mask=inp.mask)
+    else:
+        out = run(model, inp)
+        if getattr(model, "max_mem_len", 0):            # a second segment reads the first one's memories
+            _, mems = run(model, inp, return_mems=True)
+            out = out + run(model, inp, mems=mems)
+    assert torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), f"{name} has a non-finite gradient"
+
+
+@FUZZ
+@given(case=cases(wrappers=("token", "continuous", "xtransformer"), causal=True), cut=st.integers(0, 8))
+def test_decoders_are_causal(case, cut):
+    model = build(case).eval()
+    inp = make_inputs(case, model)
+    t = min(cut, case.n - 2)                    # positions <= t are kept, the rest change
+    future = torch.zeros(case.batch, case.n, dtype=torch.bool)
+    future[:, t + 1:] = True
+    changed = Inputs(**vars(inp))
+    if isinstance(model, XTransformer):
+        changed.tgt = replaced(inp.tgt, future)
+    else:
+        changed.x = replaced(inp.x, future)
+    assert_close(run(model, changed)[:, :t + 1], run(model, inp)[:, :t + 1])
+
+
+@FUZZ
+@given(case=cases(wrappers=("token", "continuous", "xtransformer")))
+def test_kept_positions_ignore_masked_ones(case):
+    model = build(case).eval()
+    inp = make_inputs(case, model)
+    assume(not bool(inp.mask.all()) or inp.context_mask is not None)
+    changed = Inputs(**vars(inp))
+    changed.x = replaced(inp.x, ~inp.mask)
+    if inp.context_mask is not None:
+        changed.context = replaced(inp.context, ~inp.context_mask)
+    out, out_changed = run(model, inp), run(model, changed)
+    if isinstance(model, XTransformer):         # src padding: every decoder position ignores it
+        assert_close(out_changed, out)
+    else:
+        assert_close(out_changed[inp.mask], out[inp.mask])
+
+
+@FUZZ
+@given(case=cases(wrappers=("token", "continuous", "xtransformer"), causal=True), split=st.integers(1, 9))
+def test_cached_decoding_equals_uncached(case, split):
+    model = build(case).eval()
+    if isinstance(model, XTransformer):
+        src = make_inputs(case, model)
+        start = src.tgt[:, :2]
+        cached = model.generate(src.x, start, 4, src_mask=src.mask, temperature=0.0)
+        uncached = model.generate(src.x, start, 4, src_mask=src.mask, temperature=0.0, cache_kv=False)
+        assert torch.equal(cached, uncached)
+        return
+    inp = make_inputs(case, model, masked=False)
+    n = case.n
+    mask = torch.ones(case.batch, n, dtype=torch.bool)
+    mask[0, : n // 3] = False                             # row 0: a shorter, left-padded prompt
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    extra = dict(context=inp.context, context_mask=inp.context_mask)
+    full = model(inp.x, mask=mask, pos=pos, **extra)
+    state = model.new_state(case.batch, n)
+    s = min(split, n - 1)
+    chunks = [model(inp.x[:, :s], mask=mask[:, :s], pos=pos[:, :s], state=state, **extra)]
+    chunks += [model(inp.x[:, t:t + 1], state=state, **extra) for t in range(s, min(s + 2, n))]
+    if s + 2 < n:
+        chunks.append(model(inp.x[:, s + 2:], state=state, **extra))     # several positions at once
+    cached = torch.cat(chunks, dim=1)
+    assert_close(cached[mask], full[mask], atol=1e-4, rtol=1e-4)
+    if isinstance(model, TransformerWrapper):
+        ar = AutoregressiveWrapper(model)
+        prompts = inp.x[:, : max(1, n - 4)]
+        kwargs = dict(mask=mask[:, : prompts.shape[1]], temperature=0.0, **extra)
+        assert torch.equal(ar.generate(prompts, 4, **kwargs), ar.generate(prompts, 4, cache_kv=False, **kwargs))
+
+
+@FUZZ
+@given(case=cases())
+def test_same_seed_same_outputs(case):
+    a, b = build(case), build(case)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    inp = make_inputs(case, a)
+    a.train(), b.train()                           # dropout too is seeded
+    torch.manual_seed(11)
+    out_a = run(a, inp)
+    torch.manual_seed(11)
+    out_b = run(b, inp)
+    assert_close(out_a, out_b, rtol=0, atol=0)
+
+
+@FUZZ
+@given(case=cases())
+def test_state_dict_into_model_rebuilt_from_saved_config(case):
+    model = build(case).eval()
+    saved = json.loads(json.dumps(model_config(model)))
+    torch.manual_seed(case.seed + 99)              # a different init: the weights must carry everything
+    rebuilt = build_model(saved).eval()
+    rebuilt.load_state_dict(model.state_dict(), strict=True)
+    inp = make_inputs(case, model)
+    assert_close(run(rebuilt, inp), run(model, inp), rtol=0, atol=0)
+
+
+@FUZZ
+@given(case=cases(wrappers=("token", "continuous", "vit")), data=st.data())
+def test_bad_state_dict_names_every_mismatch_at_once(case, data):
+    model = build(case)
+    sd = model.state_dict()
+    keys = sorted(sd)
+    missing = data.draw(st.lists(st.sampled_from(keys), max_size=3, unique=True), label="missing")
+    rest = [k for k in keys if k not in missing and sd[k].ndim >= 1]
+    misshapen = data.draw(st.lists(st.sampled_from(rest), max_size=3, unique=True) if rest else st.just([]),
+                          label="misshapen")
+    unexpected = data.draw(st.lists(st.sampled_from(["extra.weight", "attn_layers.blocks.99.bias", "head.w"]),
+                                    max_size=2, unique=True), label="unexpected")
+    assume(missing or misshapen or unexpected)
+    bad = {k: v for k, v in sd.items() if k not in missing}
+    for k in misshapen:
+        bad[k] = torch.zeros(*sd[k].shape[:-1], sd[k].shape[-1] + 1)
+    for k in unexpected:
+        bad[k] = torch.zeros(2)
+    with pytest.raises(RuntimeError) as err:
+        model.load_state_dict(bad)
+    message = str(err.value)
+    for k in missing + misshapen + unexpected:
+        assert f'"{k}"' in message or f"for {k}:" in message, f"{k} is not named in: {message}"
+
+
+@FUZZ
+@given(case=cases())
+def test_refusals_name_every_keyword_that_alone_fixes_the_draw(case):
+    """A refused draw names each keyword whose removal alone makes the draw valid (both sides of a
+    pairwise conflict); an accepted draw runs."""
+    note(repr(case))
+    try:
+        model = construct(case)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        culprits = []
+        for key in sorted(set(case.layers) | set(case.wrap)):
+            if key == "causal":
+                continue
+            fewer = Case(**{**vars(case), "layers": {k: v for k, v in case.layers.items() if k != key},
+                            "wrap": {k: v for k, v in case.wrap.items() if k != key}})
+            try:
+                construct(fewer)
+            except (ValueError, TypeError):
+                continue
+            culprits.append(key)
+        event(f"refused, {len(culprits)} culprit(s)")
+        for key in culprits:
+            assert names_keyword(message, key), f"{key!r} alone makes the draw valid but is not named: {message}"
+        return
+    event("built")
+    model.eval()
+    run(model, make_inputs(case, model))
