@@ -298,6 +298,9 @@ class ViTransformerWrapper(nn.Module):
             raise ValueError(f"ViTransformerWrapper: patch_size ({patch_size}) must divide image_size ({image_size})")
         if stack.causal:
             raise ValueError("ViTransformerWrapper: attn_layers must be bidirectional (an Encoder), not a Decoder")
+        if stack.has_cross:         # forward has no context to give them
+            raise ValueError("ViTransformerWrapper: attn_layers must not have cross-attention blocks "
+                             "(cross_attend / only_cross / custom_layers with 'c'): an image model has no context")
         dim = stack.dim
         self.image_size, self.channels = image_size, channels
         num_patches = (image_size // patch_size) ** 2

@@ -95,11 +95,12 @@ def build_objective(settings: RunSettings, data: Data, rank: int, world_size: in
 
 
 def train_batches(settings: RunSettings, data: Data, objective: Objective, rank: int, world_size: int):
-    """An iterator of batches with state_dict / load_state_dict (the data position)."""
+    """An iterator of global batches (batch_size * grad_accum rows, this rank's share), with
+    state_dict / load_state_dict (the data position); a step splits one into grad_accum micro-batches."""
+    rows = settings.train.batch_size * settings.train.grad_accum
     if isinstance(objective, Seq2Seq):
-        return TaskBatches(objective.task, settings.train.batch_size)
-    return Batches(data.train, settings.model.max_seq_len, settings.train.batch_size, settings.train.seed,
-                   rank, world_size)
+        return TaskBatches(objective.task, rows)
+    return Batches(data.train, settings.model.max_seq_len, rows, settings.train.seed, rank, world_size)
 
 
 class TaskBatches:

@@ -153,9 +153,12 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
             model.train()
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for _ in range(t.grad_accum):
+            batch = next(batches)
+            parts = (list(zip(*(b.chunk(t.grad_accum) for b in batch))) if isinstance(batch, tuple)
+                     else batch.chunk(t.grad_accum))
+            for part in parts:            # gradient accumulation over equal micro-batches
                 with autocast:
-                    loss = objective.loss(net, next(batches)) / t.grad_accum
+                    loss = objective.loss(net, part) / t.grad_accum
                 loss.backward()
                 total += loss.item()
             if world > 1:           # the logged loss is the global batch's

@@ -202,3 +202,48 @@ def test_bf16_autocast_trains(tmp_path):
     assert done.returncode == 0, done.stderr
     train = [float(v) for v in losses(run)]
     assert all(v == v for v in train) and sum(train[-5:]) / 5 < train[0] - 0.5
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
+    common = [*TINY, "--steps", "4", "--train.eval_every", "100"]
+    whole = polyformer("train", *common, "--train.batch_size", "8", "--out", str(tmp_path / "whole"))
+    accumulated = polyformer("train", *common, "--train.batch_size", "4", "--train.grad_accum", "2",
+                             "--out", str(tmp_path / "accumulated"))
+    assert whole.returncode == 0 and accumulated.returncode == 0, accumulated.stderr
+    for a, b in zip(losses(tmp_path / "whole"), losses(tmp_path / "accumulated")):
+        assert abs(float(a) - float(b)) < 1e-5
+
+
+def test_bpe_tokenizer_run(tmp_path):
+    run = tmp_path / "bpe"
+    done = polyformer("train", *TINY, "--steps", "10", "--out", str(run), "--data.tokenizer", "bpe",
+                      "--data.vocab_size", "400", "--train.eval_every", "10")
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((run / "tokenizer.json").read_text())
+    assert saved["kind"] == "bpe"
+    evaluated = polyformer("eval", "--run", str(run))
+    values = dict(zip(evaluated.stdout.split()[0::2], map(float, evaluated.stdout.split()[1::2])))
+    bits_per_token = values["loss"] / 0.693147
+    assert values["bits_per_byte"] < bits_per_token / 1.5            # a BPE token spans several bytes
+
+
+def test_seq2seq_objective_lowers_its_loss(tmp_path):
+    run = tmp_path / "copy"
+    done = polyformer("train", *TINY, "--steps", "40", "--out", str(run), "--train.objective", "seq2seq",
+                      "--train.task", "copy", "--train.task_length", "6", "--train.lr", "5e-3",
+                      "--train.eval_every", "40")
+    assert done.returncode == 0, done.stderr
+    train = [float(v) for v in losses(run)]
+    assert sum(train[-5:]) / 5 < train[0] - 0.5
+    assert "val accuracy" in done.stdout
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_like_eager(tmp_path):
+    common = [*TINY, "--steps", "3", "--train.eval_every", "100"]
+    eager = polyformer("train", *common, "--out", str(tmp_path / "eager"))
+    compiled = polyformer("train", *common, "--train.compile", "true", "--out", str(tmp_path / "compiled"),
+                          timeout=900)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "compiled")):
+        assert abs(float(a) - float(b)) < 1e-3
