@@ -175,6 +175,10 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{rate:,.0f}")
+            if world > 1:           # a signal seen by any rank stops every rank at this same step
+                flag = torch.tensor(stop.signal or 0)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop.signal = int(flag) or None
             evaluate_now = step % t.eval_every == 0 or step == t.steps
             metrics = evaluate(model, objective, settings, data) if evaluate_now else {}
             if logs is not None:
