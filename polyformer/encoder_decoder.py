@@ -62,6 +62,9 @@ class XTransformer(nn.Module):
                     raise TypeError(f"XTransformer needs {side}_{needed}")
         if "cross_attend" in dec_layers:
             raise TypeError("XTransformer sets dec_cross_attend=True itself")
+        if dec_layers.get("dim_context") not in (None, dim):     # the context is the encoder's output
+            raise ValueError(f"XTransformer: dec_dim_context ({dec_layers['dim_context']}) must equal dim ({dim}): "
+                             "the decoder attends to the encoder's output")
         if tie_token_emb and enc_wrap["num_tokens"] != dec_wrap["num_tokens"]:
             raise ValueError(f"tie_token_emb=True needs enc_num_tokens == dec_num_tokens, got "
                              f"{enc_wrap['num_tokens']} and {dec_wrap['num_tokens']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -40,4 +41,8 @@ class LayerNorm(nn.LayerNorm):
     """LayerNorm that keeps the input dtype under autocast (computed in float32)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x.float()).to(x.dtype) if x.dtype != torch.float32 else super().forward(x)
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        weight = self.weight.float() if self.weight is not None else None    # half weights too (model.half())
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)

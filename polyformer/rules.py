@@ -32,7 +32,11 @@ def needs_explicit_path(c: LayersConfig) -> list[str]:
     """The options that the fused SDPA kernel cannot express (they need the reference path)."""
     a = c.attention
     reasons = []
-    if a.normalize != "softmax":
+    if a.normalize == "topk":
+        reasons.append(f"attn_sparse_topk={a.topk}")
+    elif a.normalize == "entmax15":
+        reasons.append("attn_use_entmax15=True")
+    elif a.normalize != "softmax":
         reasons.append(f"attn normalize={a.normalize!r}")
     if a.talking_heads:
         reasons.append("attn_talking_heads=True")
@@ -94,12 +98,16 @@ RULES: list[Rule] = [
          "custom_layers must be a non-empty sequence of 'a', 'c', 'f', got {custom_layers!r}"),
     Rule(lambda c: c.custom_layers is not None and "c" in c.custom_layers and not (c.cross_attend or c.only_cross),
          "custom_layers has a cross-attention block 'c' but cross_attend is not True"),
+    Rule(lambda c: c.custom_layers is not None and "c" not in c.custom_layers and (c.cross_attend or c.only_cross),
+         "cross_attend=True (or only_cross=True) but custom_layers={custom_layers!r} has no cross-attention block 'c'"),
     Rule(lambda c: c.sandwich_coef is not None and not 0 < c.sandwich_coef <= c.depth,
          "sandwich_coef must be in [1, depth={depth}], got {sandwich_coef}"),
     Rule(lambda c: c.sandwich_coef is not None and (c.cross_attend or c.only_cross),
-         "sandwich_coef reorders self-attention and feedforward blocks; it cannot be combined with cross_attend"),
+         "sandwich_coef reorders self-attention and feedforward blocks; it cannot be combined with cross_attend "
+         "or only_cross"),
     Rule(lambda c: c.only_cross and c.causal, "only_cross=True has no self-attention to make causal"),
-    Rule(_shift_len_wrong, "shift_tokens as a tuple needs one entry per block: {n_blocks} blocks, got {n_shift}"),
+    Rule(_shift_len_wrong, "shift_tokens as a tuple needs one entry per block: {n_blocks} blocks {layout} (from depth, "
+         "macaron, sandwich_coef, cross_attend, only_cross, custom_layers), got {n_shift}"),
     Rule(lambda c: any(s < 0 for s in _shifts(c)), "shift_tokens must be >= 0, got {shift_tokens!r}"),
     Rule(lambda c: c.cross_residual_attn and not (c.cross_attend or c.only_cross),
          "cross_residual_attn=True needs cross_attend=True"),

@@ -184,11 +184,13 @@ class AttentionLayers(nn.Module):
         """A decode state with room for max_len positions (see memory/kv_cache.py)."""
         if not self.causal:
             raise ValueError("a decode state needs a causal stack (a Decoder)")
-        first = next(b.branch for b in self.blocks if b.kind == "a")
-        proj = first.project
+        first = next((b.branch for b in self.blocks if b.kind == "a"), None)
+        # no self-attention block (custom_layers "f", "cf"): nothing to cache but positions, shifts, context
+        heads = (first.project.kv_heads, first.project.qk_dim, first.project.v_heads, first.project.dim_head) \
+            if first is not None else (1, 1, 1, 1)
         param = next(self.parameters())
-        return DecodeState(self.num_self_attn, batch, max_len, proj.kv_heads, proj.qk_dim, proj.v_heads,
-                           proj.dim_head, dtype=dtype or param.dtype, device=device or param.device)
+        return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
+                           device=device or param.device)
 
     @property
     def has_pos_emb(self) -> bool:

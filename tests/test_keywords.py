@@ -255,6 +255,8 @@ RULE_CASES = [
                  id="custom_layers_letters"),
     pytest.param(dict(dim=32, depth=2, custom_layers=("a", "c", "f")), ["custom_layers", "cross_attend"],
                  id="custom_layers_cross_without_cross_attend"),
+    pytest.param(dict(dim=32, depth=2, cross_attend=True, custom_layers=("a", "f")), ["cross_attend", "custom_layers"],
+                 id="cross_attend_without_cross_block"),
     pytest.param(dict(dim=32, depth=2, sandwich_coef=3), ["sandwich_coef", "depth=2", "3"],
                  id="sandwich_coef_range"),
     pytest.param(dict(dim=32, depth=2, sandwich_coef=1, cross_attend=True), ["sandwich_coef", "cross_attend"],

@@ -47,5 +47,7 @@ class Entmax15(nn.Module):
     def forward(self, scores: Tensor, mask: Tensor | None) -> Tensor:
         from entmax import entmax15
 
+        if scores.shape[-1] == 0:          # no keys at all (an empty context): entmax cannot reduce over them
+            return scores
         weights = entmax15(fill_masked(scores.float(), mask), dim=-1)
         return zero_masked(weights, mask).to(scores.dtype)

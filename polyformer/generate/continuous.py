@@ -46,6 +46,10 @@ class ContinuousAutoregressiveWrapper(nn.Module):
         if self.net.bounded and n + seq_len > self.net.max_seq_len:
             raise ValueError(f"start ({n}) + seq_len ({seq_len}) exceeds max_seq_len={self.net.max_seq_len} "
                              "of the learned absolute positions")
+        if mask is not None:
+            checks.bool_mask("mask", mask, (b, n), "(batch, start_len)")
+            if not bool(mask.any(dim=-1).all()):
+                raise ValueError("mask leaves a start sequence without any kept vector")
         was_training = self.net.training
         self.net.eval()
         try:

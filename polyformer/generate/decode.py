@@ -141,6 +141,8 @@ class AutoregressiveWrapper(nn.Module):
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if mask is not None:
             checks.bool_mask("mask", mask, (b, n), "(batch, prompt_len)")
+            if not bool(mask.any(dim=-1).all()):      # its first token would have no position to follow
+                raise ValueError("mask leaves a prompt without any kept token")
         if self.net.bounded and n > self.max_seq_len:
             raise ValueError(f"prompts have {n} tokens but the model's learned positions stop at "
                              f"max_seq_len={self.max_seq_len}")

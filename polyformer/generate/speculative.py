@@ -182,6 +182,8 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompts: Tensor, s
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
     if mask is not None:
         checks.bool_mask("mask", mask, (b, n), "(batch, prompt_len)")
+        if not bool(mask.any(dim=-1).all()):
+            raise ValueError("mask leaves a prompt without any kept token")
     for net, name in ((target_net, "target"), (draft_net, "draft")):
         _check_positions(net, name, n, seq_len)
     sampler = Sampler(temperature, filter_logits_fn, filter_kwargs, generator=generator)

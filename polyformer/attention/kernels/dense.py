@@ -77,19 +77,22 @@ class DenseKernel(nn.Module):
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
                   causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut:
-        scores = torch.einsum("bhid,bhjd->bhij", q, k) * self.scale
-        if bias is not None:
-            scores = scores + bias.to(scores.dtype)
-        if prev_scores is not None:
-            scores = scores + prev_scores
-        if self.pre_mix is not None:
-            scores = self.pre_mix(scores)
-        if causal:
-            keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
-            mask = keep if mask is None else mask & keep
-        weights = self.normalize(scores, mask)
-        if self.post_mix is not None:
-            weights = self.post_mix(weights)
-        out = torch.einsum("bhij,bhjd->bhid", self.dropout(weights), v)
+        # scores and weights in float32 (autocast off): a half-precision q.k overflows to inf and the
+        # softmax turns it into NaN, where the fused kernel accumulates in float32
+        with torch.autocast(q.device.type, enabled=False):
+            scores = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * self.scale
+            if bias is not None:
+                scores = scores + bias.float()
+            if prev_scores is not None:
+                scores = scores + prev_scores.float()
+            if self.pre_mix is not None:
+                scores = self.pre_mix(scores)
+            if causal:
+                keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
+                mask = keep if mask is None else mask & keep
+            weights = self.normalize(scores, mask)
+            if self.post_mix is not None:
+                weights = self.post_mix(weights)
+        out = torch.einsum("bhij,bhjd->bhid", self.dropout(weights).to(v.dtype), v)
         return AttnOut(out, scores=scores if self.keep_scores else None,
-                       weights=weights if need_weights else None)
+                       weights=weights.to(q.dtype) if need_weights else None)
