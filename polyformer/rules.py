@@ -90,8 +90,8 @@ RULES: list[Rule] = [
          "rel_pos_num_buckets must be >= 2 and <= rel_pos_max_distance, got "
          "{attention.rel_pos_num_buckets} and {attention.rel_pos_max_distance}"),
     Rule(lambda c: not c.causal and c.attention.bias == "t5" and c.attention.rel_pos_num_buckets < 4,
-         "rel_pos_num_buckets must be >= 4 for a bidirectional stack (half the buckets per direction), "
-         "got {attention.rel_pos_num_buckets}"),
+         "rel_pos_bias=True on a bidirectional stack needs rel_pos_num_buckets >= 4 (half the buckets per "
+         "direction), got {attention.rel_pos_num_buckets}"),
     Rule(lambda c: c.custom_layers is not None and (c.sandwich_coef or c.macaron),
          "custom_layers fixes the layout; it cannot be combined with sandwich_coef or macaron"),
     Rule(lambda c: c.custom_layers is not None and (not c.custom_layers or any(t not in "acf" for t in c.custom_layers)),

@@ -514,6 +514,13 @@ def test_attn_flash_refusal_names_the_public_keyword_of_the_normaliser():
         Encoder(dim=16, depth=1, attn_flash=True, attn_use_entmax15=True)
 
 
+def test_too_few_t5_buckets_names_rel_pos_bias():
+    """The message named only rel_pos_num_buckets, which alone is valid: it is rel_pos_bias that uses them."""
+    with pytest.raises(ValueError, match=r"rel_pos_bias=True .*rel_pos_num_buckets >= 4"):
+        Encoder(dim=16, depth=1, rel_pos_bias=True, rel_pos_num_buckets=2)
+    Encoder(dim=16, depth=1, rel_pos_num_buckets=2, rel_pos_max_distance=8)
+
+
 @pytest.mark.parametrize("layout", ["f", "cf", "fcf"])
 def test_a_decoder_without_self_attention_gets_a_decode_state(layout):
     """new_state raised StopIteration (it read the head sizes of the first self-attention block)."""
