@@ -92,6 +92,15 @@ RULES: list[Rule] = [
     Rule(lambda c: not c.causal and c.attention.bias == "t5" and c.attention.rel_pos_num_buckets < 4,
          "rel_pos_bias=True on a bidirectional stack needs rel_pos_num_buckets >= 4 (half the buckets per "
          "direction), got {attention.rel_pos_num_buckets}"),
+    Rule(lambda c: c.attention.position != "rotary" and (c.attention.rotary_base != 10000.0 or c.attention.rotary_interleaved),
+         "rotary_base / rotary_interleaved are set but rotary_pos_emb is not True"),
+    Rule(lambda c: c.attention.bias != "t5" and (c.attention.rel_pos_num_buckets != 32 or c.attention.rel_pos_max_distance != 128),
+         "rel_pos_num_buckets / rel_pos_max_distance are set but rel_pos_bias is not True"),
+    Rule(lambda c: c.dim_context is not None and not (c.cross_attend or c.only_cross),
+         "dim_context is set but there is no cross-attention: set cross_attend=True"),
+    Rule(lambda c: c.only_cross and (c.attention.position != "none" or c.attention.bias != "none" or c.residual_attn),
+         "only_cross=True has no self-attention: rotary_pos_emb / position_infused_attn / alibi_pos_emb / "
+         "rel_pos_bias / residual_attn would do nothing"),
     Rule(lambda c: c.custom_layers is not None and (c.sandwich_coef or c.macaron),
          "custom_layers fixes the layout; it cannot be combined with sandwich_coef or macaron"),
     Rule(lambda c: c.custom_layers is not None and (not c.custom_layers or any(t not in "acf" for t in c.custom_layers)),

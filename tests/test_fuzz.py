@@ -518,7 +518,8 @@ def test_too_few_t5_buckets_names_rel_pos_bias():
     """The message named only rel_pos_num_buckets, which alone is valid: it is rel_pos_bias that uses them."""
     with pytest.raises(ValueError, match=r"rel_pos_bias=True .*rel_pos_num_buckets >= 4"):
         Encoder(dim=16, depth=1, rel_pos_bias=True, rel_pos_num_buckets=2)
-    Encoder(dim=16, depth=1, rel_pos_num_buckets=2, rel_pos_max_distance=8)
+    with pytest.raises(ValueError, match="rel_pos_bias is not True"):     # without rel_pos_bias: not ignored
+        Encoder(dim=16, depth=1, rel_pos_num_buckets=2, rel_pos_max_distance=8)
 
 
 @pytest.mark.parametrize("layout", ["f", "cf", "fcf"])

@@ -281,6 +281,12 @@ RULE_CASES = [
     pytest.param(_cfg(placement="middle"), ["middle"], id="unknown_placement"),
     pytest.param(dict(dim=32, depth=2, rel_pos_bias=True, rel_pos_num_buckets=3), ["rel_pos_num_buckets", "bidirectional"],
                  id="rel_pos_bidirectional_too_few_buckets"),
+    pytest.param(dict(dim=32, depth=2, rotary_base=500.0), ["rotary_base", "rotary_pos_emb"], id="rotary_base_alone"),
+    pytest.param(dict(dim=32, depth=2, rel_pos_max_distance=64), ["rel_pos_max_distance", "rel_pos_bias"],
+                 id="rel_pos_distance_alone"),
+    pytest.param(dict(dim=32, depth=2, dim_context=16), ["dim_context", "cross_attend"], id="dim_context_alone"),
+    pytest.param(dict(dim=32, depth=2, only_cross=True, rotary_pos_emb=True), ["only_cross", "rotary_pos_emb"],
+                 id="only_cross_with_positions"),
 ]
 
 # More cases per rule where one rule has several ways to break it.
