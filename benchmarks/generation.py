@@ -36,6 +36,7 @@ from .common import (Competitor, alternating_rounds, environment, markdown_table
 
 DIM, DEPTH, HEADS, VOCAB, MAX_SEQ_LEN = 512, 6, 8, 256, 512
 TARGET = 3.0
+INT8 = "polyformer int8 weights"
 
 
 # --- the competitors --------------------------------------------------------------------------
@@ -48,6 +49,30 @@ def polyformer_model(kv_heads: int | None = None, seed: int = 0) -> torch.nn.Mod
     net = TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ_LEN,
                              attn_layers=Decoder(dim=DIM, depth=DEPTH, heads=HEADS, **extra))
     return AutoregressiveWrapper(net).eval()
+
+
+def int8_model(seed: int = 0) -> torch.nn.Module:
+    """The float32 model's weights, quantized to int8 per row (`polyformer.quantize_int8`)."""
+    from polyformer import quantize_int8
+
+    model = polyformer_model(seed=seed)
+    quantize_int8(model.net)
+    return model
+
+
+def int8_agreement(fp32: torch.nn.Module, int8: torch.nn.Module, prompt: Tensor, new: int) -> dict[str, Any]:
+    """How far int8 weights move greedy decoding: the first token where the two greedy runs part,
+    and, teacher-forced on the float32 run's sequence, the share of positions whose top-1 agrees and
+    the relative error of the logits."""
+    a = fp32.generate(prompt, new, temperature=0.0)
+    b = int8.generate(prompt, new, temperature=0.0)
+    differ = (a != b)[0].nonzero()
+    seq = torch.cat((prompt, a), dim=1)[:, :-1]
+    with torch.no_grad():
+        la, lb = fp32.net(seq)[:, prompt.shape[1] - 1:], int8.net(seq)[:, prompt.shape[1] - 1:]
+    return {"first_divergence": int(differ[0]) if len(differ) else None, "tokens": new,
+            "teacher_forced_top1_agreement": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
+            "logits_relative_error": float((la - lb).norm() / la.norm())}
 
 
 def x_transformers_model(seed: int = 0) -> torch.nn.Module:
@@ -181,25 +206,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-heads", default="8,2,1", help="attn_kv_heads values for the second table")
+    p.add_argument("--no-int8", action="store_true", help="leave out the int8-weights row")
     p.add_argument("--skip-check", action="store_true", help="skip the cached == uncached token check")
     p.add_argument("--out", default="docs/benchmarks/generation.json")
     return p.parse_args(argv)
 
 
 def report(args: argparse.Namespace, competitors: list[Competitor], references: list[Competitor],
-           kv_list: list[int], caches: dict[str, dict], checks: dict[str, Any], load_start: list[float] | None
-           ) -> tuple[str, dict[str, Any]]:
+           kv_list: list[int], caches: dict[str, dict], checks: dict[str, Any], load_start: list[float] | None,
+           agreement: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """The markdown page and the JSON record."""
     everyone = competitors + references
     ms = {c.name: c.median_per_unit() * 1e3 for c in everyone}
     cpu = {c.name: statistics.median(c.cpu_seconds) / c.units * 1e3 for c in everyone}
     ours = ms["polyformer"]
     anchors = [c for c in competitors if not c.name.startswith("polyformer")]
+    int8 = [c for c in competitors if c.name == INT8]
     rows = [[c.name, f"{ms[c.name]:.2f}", f"{1e3 / ms[c.name]:.1f}",
              f"{ms[c.name] / ours:.2f}x" if c in anchors or c.name == "polyformer" else "-",
+             " / ".join(f"{ms[a.name] / ms[c.name]:.2f}x" for a in anchors) if c in int8 else "-",
              f"{cpu[c.name]:.2f}"]
-            for c in [competitors[0], *anchors, *references]]
-    speed_table = markdown_table(["library", "ms/token", "tokens/s", "polyformer speedup", "CPU ms/token"], rows)
+            for c in [competitors[0], *int8, *anchors, *references]]
+    speed_table = markdown_table(["library", "ms/token", "tokens/s", "polyformer speedup",
+                                  "int8 speedup (" + " / ".join(a.name for a in anchors) + ")",
+                                  "CPU ms/token"], rows)
     kv_rows = [[str(k), mib(caches[str(k)]["kv_bytes"]), mib(caches[str(k)]["total_bytes"]),
                 f"{ms[variant_name(k)]:.2f}", f"{1e3 / ms[variant_name(k)]:.1f}"] for k in kv_list]
     kv_table = markdown_table(["attn_kv_heads", "KV cache (k + v)", "state total", "ms/token", "tokens/s"], kv_rows)
@@ -235,6 +265,7 @@ def report(args: argparse.Namespace, competitors: list[Competitor], references: 
              "model per token and nothing else, i.e. the weight-streaming cost of float32 decoding at batch 1: "
              "with every weight in nn.Linear's (out, in) layout, and with the expanding matrices (q|k|v, "
              "feedforward in) as (in, out) copies through torch.addmm.", "",
+             *int8_lines(ms, anchors, agreement),
              "## polyformer KV cache by attn_kv_heads", "",
              f"`DecodeState` allocated by `generate` for {args.prompt_len + new} positions, batch 1, float32; "
              "state total adds the positions and padding mask.", "", kv_table, "",
@@ -251,9 +282,23 @@ def report(args: argparse.Namespace, competitors: list[Competitor], references: 
                     for c in everyone},
         "speedup_vs": vs, "target": TARGET, "target_met": met,
         "kv_cache": {str(k): {**caches[str(k)], "ms_per_token": ms[variant_name(k)]} for k in kv_list},
-        "correctness": checks,
+        "correctness": checks, "int8_agreement": agreement,
     }
     return "\n".join(lines), record
+
+
+def int8_lines(ms: dict[str, float], anchors: list[Competitor], agreement: dict[str, Any] | None) -> list[str]:
+    if agreement is None or INT8 not in ms:
+        return []
+    vs = ", ".join(f"{a.name} {ms[a.name] / ms[INT8]:.2f}x" for a in anchors)
+    first = agreement["first_divergence"]
+    return [f"int8 weights (`quantize_int8`, weight-only, per-row absmax; an opt-in that changes the numbers, "
+            f"so it is not the float32 comparison above): {vs} against the float32 anchors. "
+            f"Against polyformer float32 on the same weights: greedy tokens "
+            + (f"identical for all {agreement['tokens']}" if first is None else f"part at token {first}")
+            + f"; teacher-forced top-1 agreement {agreement['teacher_forced_top1_agreement']:.1%}, "
+            f"logits relative error {agreement['logits_relative_error']:.2%} (random weights: near-ties are "
+            "common, a trained model's margins are larger).", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                    Competitor("HF GPT-2", gpt2_run(gpt2_model(), prompt, new), new)]
     competitors += [Competitor(variant_name(k), polyformer_run(poly[k], prompt, new), new)
                     for k in kv_list if k != HEADS]
+    if not args.no_int8:
+        quantized = int8_model()
+        competitors.append(Competitor(INT8, polyformer_run(quantized, prompt, new), new))
     references = [Competitor("reference: matvecs only, (out, in) weights", floor_run(poly[HEADS], new), new),
                   Competitor("reference: matvecs only, expanding weights (in, out)",
                              floor_run(poly[HEADS], new, expanding_transposed=True), new)]
@@ -284,12 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"checking cached == uncached greedy tokens, attn_kv_heads={k} ...")
             checks[str(k)] = check_greedy(poly[k], prompt, new)
     caches = {str(k): cache_bytes(poly[k], prompt, new) for k in kv_list}
+    agreement = None if args.no_int8 else int8_agreement(poly[HEADS], quantized, prompt, new)
 
     everyone = competitors + references
     log(f"timing {len(everyone)} runs x {args.repeats} rounds, {new} new tokens each ...")
     alternating_rounds(everyone, args.repeats, warmup=1, log=log)
 
-    markdown, record = report(args, competitors, references, kv_list, caches, checks, load_start)
+    markdown, record = report(args, competitors, references, kv_list, caches, checks, load_start, agreement)
     json_path, md_path = write_report(args.out, record, markdown)
     print(markdown)
     print(f"\nwrote {json_path} and {md_path}")

@@ -1,0 +1,107 @@
+"""Weight-only int8 quantization for inference: every `nn.Linear` keeps its weight as int8 with one
+float scale per output row (symmetric absmax, as in LLM.int8() arXiv:2208.07339 without the outlier
+split), and activations stay in floating point.
+
+Decoding one sequence at a time reads every weight once per token, so its speed is bounded by
+memory bandwidth; int8 weights move a quarter of float32's bytes. On the CPU the product runs on
+`torch._weight_int8pack_mm` (bfloat16 activations, float32 accumulation, bfloat16 result, cast
+back to the input's dtype); elsewhere, or where that kernel is missing, the weight is dequantized
+to the input's dtype for the product. Either way the result is the product with the dequantized
+weight `q * scale`, up to the activations' rounding.
+
+    model = quantize_int8(model.eval())        # in place; returns the model
+
+Inference only: the int8 weights are buffers, not parameters, so nothing trains them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+QMAX = 127
+
+
+def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, in) float -> int8 (out, in) and float32 scales (out,) with weight ~= q * scale[:, None];
+    every element's error is at most scale / 2 of its row. An all-zero row gets scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def _packed_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """A `nn.Linear` whose weight is int8 per-row quantized (see module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, device=device))
+        self._scale_bf16: Tensor | None = None    # the kernel's copy of `scale`, made on first use
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device=linear.weight.device)
+        q, scale = quantize_rows(linear.weight)
+        new.qweight.copy_(q)
+        new.scale.copy_(scale)
+        new._scale_bf16 = None
+        if linear.bias is not None:
+            new.bias.copy_(linear.bias.detach().float())
+        return new
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized (out, in) weight, for code that reads `.weight` (tied heads, infusion)."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and _packed_kernel() and x.dtype in (torch.float32, torch.bfloat16):
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            if self._scale_bf16 is None or self._scale_bf16.device != self.scale.device:
+                self._scale_bf16 = self.scale.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self._scale_bf16)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y.to(x.dtype) if self.bias is None else torch.add(self.bias, y, alpha=1).to(x.dtype)
+        w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+        return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._scale_bf16 = None                    # new scales: the kernel's copy is stale
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Replace every `nn.Linear` of `model` (in place) by an `Int8Linear`; `skip` lists module names
+    (as in `named_modules`, e.g. "to_logits") to leave in floating point. Returns the model, in
+    eval mode. Refuses a model whose parameters require gradients while it is training."""
+    if model.training and any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model: quantize_int8 is for inference; call model.eval() first "
+                         "(int8 weights are buffers and would not be trained)")
+    names = {name for name, _ in model.named_modules()}
+    unknown = [s for s in skip if s not in names]
+    if unknown:
+        raise ValueError(f"skip: no module named {unknown} in the model")
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name not in skip]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear.from_linear(linear))
+    return model.eval()
