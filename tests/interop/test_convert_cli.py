@@ -54,6 +54,7 @@ def hf_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module, "tokenizers.Tokeniz
     return path, hf, tok
 
 
+@pytest.mark.slow
 def test_convert_generate_eval_and_back(hf_dir, tmp_path):
     path, hf, tok = hf_dir
     corpus = tmp_path / "corpus.txt"
