@@ -182,3 +182,16 @@ def test_embed_ids_without_tables_and_bad_tables():
         wrapper(wrap=dict(embed_num_tokens={"token_type": 0}))
     with pytest.raises(ValueError, match="identifiers"):
         wrapper(wrap=dict(embed_num_tokens={"token.type": 2}))
+
+
+def test_unknown_keyword_machinery_knows_the_new_keywords():
+    with pytest.raises(TypeError, match="did you mean 'attn_qkv_bias'"):
+        Decoder(dim=DIM, depth=1, attn_qkv_bais=True)
+    with pytest.raises(TypeError, match="did you mean 'ff_gelu_tanh'"):
+        Decoder(dim=DIM, depth=1, ff_gelu_tahn=True)
+    with pytest.raises(TypeError, match="did you mean 'post_emb_norm'"):
+        wrapper(wrap=dict(post_emb_nrom=True))
+    with pytest.raises(TypeError, match="did you mean 'embed_num_tokens'"):
+        wrapper(wrap=dict(embed_num_token={"token_type": 2}))
+    with pytest.raises(TypeError, match="attn_out_bias.*True or False"):
+        Decoder(dim=DIM, depth=1, attn_out_bias="yes")

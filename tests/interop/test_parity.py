@@ -84,3 +84,12 @@ def test_converted_model_is_plain_polyformer_config():
         x = ids(hf.config.vocab_size)
         with torch.no_grad():
             torch.testing.assert_close(rebuilt(x), model(x), atol=0, rtol=0)
+
+
+def test_gpt2_base_model_gives_the_final_hidden_states():
+    hf = gpt2("heads3_tied")
+    model = from_hf(hf.transformer)
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert max_diff(model(x, return_embeddings=True), hf.transformer(x).last_hidden_state) <= TOL
+        assert max_diff(model(x), hf(x).logits) <= TOL          # GPT-2's head is the tied embedding
