@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .embedding import LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions, TokenEmbedding
-from .keywords import checked_keywords, closest
+from .embedding import (ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions,
+                        TokenEmbedding)
+from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
 from .registry import NORM
 from .stack import AttentionLayers, Intermediates
@@ -228,7 +229,7 @@ class TransformerWrapper(SequenceWrapper):
         self.num_tokens = num_tokens
         self.token_emb = TokenEmbedding(num_tokens, emb_dim)
         self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
-        self.embeds = _extra_embeddings(embed_num_tokens, dim)
+        self.embeds = ExtraEmbeddings(embed_num_tokens, dim) if embed_num_tokens else None
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
@@ -250,48 +251,20 @@ class TransformerWrapper(SequenceWrapper):
                 embed_ids: dict[str, Tensor] | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
         self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
-        extra = self._embed_ids(embed_ids, x)
+        if embed_ids is not None:
+            if self.embeds is None:
+                raise ValueError("embed_ids was given, but the model has no extra embeddings (embed_num_tokens)")
+            self.embeds.check(embed_ids, x)
         h = self.token_emb(x)
         if self.project_emb is not None:
             h = self.project_emb(h)
-        for name, table in (self.embeds or {}).items():
-            h = h + (table(extra[name]) if name in extra else table.weight[0].to(h.dtype))
+        if self.embeds is not None:
+            h = self.embeds(h, embed_ids or {})
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
                                           pos, state, prefix_len)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
-
-
-    def _embed_ids(self, embed_ids: dict[str, Tensor] | None, x: Tensor) -> dict[str, Tensor]:
-        if embed_ids is None:
-            return {}
-        if not isinstance(embed_ids, dict):
-            raise TypeError(f"embed_ids must be a dict {{name: (batch, seq) ids}}, got {type(embed_ids).__name__}")
-        names = list(self.embeds or {})
-        for name, ids in embed_ids.items():
-            if name not in names:
-                raise ValueError(f"embed_ids has {name!r}, but the model's extra embeddings (embed_num_tokens) are "
-                                 f"{names}" + closest(str(name), names))
-            checks.token_ids(ids, self.embeds[name].num_embeddings, f"embed_ids[{name!r}]")
-            if ids.shape != x.shape:
-                raise ValueError(f"embed_ids[{name!r}] must have the shape of x {tuple(x.shape)}, got {tuple(ids.shape)}")
-        return embed_ids
-
-
-def _extra_embeddings(embed_num_tokens: dict[str, int] | None, dim: int) -> nn.ModuleDict | None:
-    """One table per name of `embed_num_tokens` ({name: vocabulary size})."""
-    if not embed_num_tokens:
-        return None
-    if not isinstance(embed_num_tokens, dict):
-        raise TypeError(f"TransformerWrapper: embed_num_tokens must be a dict {{name: vocabulary size}}, "
-                        f"got {type(embed_num_tokens).__name__}")
-    for name, n in embed_num_tokens.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"TransformerWrapper: embed_num_tokens names must be identifiers, got {name!r}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"TransformerWrapper: embed_num_tokens[{name!r}] must be a positive integer, got {n!r}")
-    return nn.ModuleDict({name: TokenEmbedding(n, dim) for name, n in embed_num_tokens.items()})
 
 
 class ContinuousTransformerWrapper(SequenceWrapper):
