@@ -36,6 +36,8 @@ class AttentionConfig:
     collab_compression: float = 0.3
     on_attn: bool = False
     gate_values: bool = False
+    qkv_bias: bool = False              # biases on the q, k, v projections (GPT-2, BERT)
+    out_bias: bool = False              # a bias on the output projection (GPT-2, BERT)
     kernel: str = "dense"               # registry.KERNEL
     fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
 

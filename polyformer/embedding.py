@@ -1,5 +1,5 @@
-"""Input stages: token, patch and continuous embeddings, absolute positions (learned,
-sinusoidal), and memory tokens (arXiv:2006.11527)."""
+"""Input stages: token, patch and continuous embeddings, extra embedding tables (token types),
+absolute positions (learned, sinusoidal), and memory tokens (arXiv:2006.11527)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import checks
+from .keywords import closest
 from .position.sinusoidal import sinusoidal
 
 
@@ -14,6 +16,41 @@ class TokenEmbedding(nn.Embedding):
     def __init__(self, num_tokens: int, dim: int):
         super().__init__(num_tokens, dim)
         nn.init.normal_(self.weight, std=0.02)
+
+
+class ExtraEmbeddings(nn.ModuleDict):
+    """Extra tables summed with the token embedding, {name: vocabulary size}: BERT's token types
+    (arXiv:1810.04805) are {"token_type": 2}. A table whose ids are not given adds its id 0 at every
+    position (BERT's default segment)."""
+
+    def __init__(self, num_tokens: dict[str, int], dim: int):
+        if not isinstance(num_tokens, dict):
+            raise TypeError(f"TransformerWrapper: embed_num_tokens must be a dict {{name: vocabulary size}}, "
+                            f"got {type(num_tokens).__name__}")
+        for name, n in num_tokens.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"TransformerWrapper: embed_num_tokens names must be identifiers, got {name!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"TransformerWrapper: embed_num_tokens[{name!r}] must be a positive integer, got {n!r}")
+        super().__init__({name: TokenEmbedding(n, dim) for name, n in num_tokens.items()})
+
+    def check(self, ids: object, x: Tensor) -> None:
+        """`ids` must be {name: (b, n) ids} for names of these tables, in range, shaped like x."""
+        if not isinstance(ids, dict):
+            raise TypeError(f"embed_ids must be a dict {{name: (batch, seq) ids}}, got {type(ids).__name__}")
+        names = list(self)
+        for name, t in ids.items():
+            if name not in names:
+                raise ValueError(f"embed_ids has {name!r}, but the model's extra embeddings (embed_num_tokens) are "
+                                 f"{names}" + closest(str(name), names))
+            checks.token_ids(t, self[name].num_embeddings, f"embed_ids[{name!r}]")
+            if t.shape != x.shape:
+                raise ValueError(f"embed_ids[{name!r}] must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+
+    def forward(self, h: Tensor, ids: dict[str, Tensor]) -> Tensor:
+        for name, table in self.items():
+            h = h + (table(ids[name]) if name in ids else table.weight[0].to(h.dtype))
+        return h
 
 
 class LearnedPositions(nn.Module):

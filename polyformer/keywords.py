@@ -104,11 +104,14 @@ KEYWORDS: dict[str, Route] = {
     "gate_values": Route("attention.gate_values"),
     "attn_gate_values": Route("attention.gate_values"),       # later x-transformers spelling
     "attn_flash": Route("attention.fused"),
+    "attn_qkv_bias": flag(attention__qkv_bias=True),
+    "attn_out_bias": flag(attention__out_bias=True),
     # feedforward
     "ff_mult": Route("ff.mult"),
     "ff_glu": Route("ff.glu"),
     "ff_relu_squared": flag(ff__activation="relu_squared"),
     "ff_swish": flag(ff__activation="swish"),
+    "ff_gelu_tanh": flag(ff__activation="gelu_tanh"),
     "ff_dropout": Route("ff.dropout", float),
     "ff_no_bias": flag(ff__bias=False),
 }

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .embedding import LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions, TokenEmbedding
+from .embedding import (ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions,
+                        TokenEmbedding)
 from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
+from .registry import NORM
 from .stack import AttentionLayers, Intermediates
 
 
@@ -23,14 +25,15 @@ def _stack(attn_layers: object, owner: str) -> AttentionLayers:
 
 
 class SequenceWrapper(nn.Module):
-    """embed -> absolute positions -> dropout -> memory tokens -> stack -> head, with XL memories.
+    """embed -> absolute positions -> post-embedding norm -> dropout -> memory tokens -> stack -> head,
+    with XL memories.
 
     Subclasses supply `embed(x)` (b, n, dim) and `head(x)`.
     """
 
     def _setup(self, *, attn_layers: AttentionLayers, max_seq_len: int, emb_dropout: float,
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
-               max_mem_len: int, shift_mem_down: int) -> None:
+               max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -63,6 +66,13 @@ class SequenceWrapper(nn.Module):
             self.pos_emb = SinusoidalPositions(dim, scaled=True)
         elif use_abs_pos_emb:
             self.pos_emb = LearnedPositions(max_seq_len, dim)
+        self.post_emb_norm = None
+        if post_emb_norm:                 # the stack's own norm and eps (BERT: LayerNorm, eps 1e-12)
+            cfg = self.attn_layers.cfg
+            if NORM[cfg.norm] is None:
+                raise ValueError(f"{owner}: post_emb_norm=True uses the stack's norm, and use_rezero=True "
+                                 "leaves the stack without one")
+            self.post_emb_norm = NORM[cfg.norm](dim, cfg.norm_eps)
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
 
@@ -119,6 +129,8 @@ class SequenceWrapper(nn.Module):
                 "learned absolute positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias)")
         if self.pos_emb is not None:
             h = h + self.pos_emb(tok_pos).to(h.dtype)
+        if self.post_emb_norm is not None:
+            h = self.post_emb_norm(h)
         h = self.emb_dropout(h)
         stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
         prefix = self.memory_tokens is not None and (state is None or state.length == 0)
@@ -180,9 +192,18 @@ class TransformerWrapper(SequenceWrapper):
             learned vectors (as in x-transformers, it picks the kind; use_abs_pos_emb=False refuses it).
         max_mem_len: Transformer-XL memory length kept by `return_mems`.
         shift_mem_down: route layer l's memory to layer l - shift_mem_down (ERNIE-Doc, arXiv:2012.15688).
+        logits_dim: size of the output logits when it differs from num_tokens.
+        logits_bias: the untied output head has a bias (False: none, as Llama's lm_head).
+        post_emb_norm: normalise the summed embeddings (token, extra, absolute position) with the
+            stack's norm and norm_eps before the stack (BERT's embedding LayerNorm).
+        embed_num_tokens: extra embedding tables added to the token embedding, {name: vocabulary
+            size}, e.g. {"token_type": 2} for BERT's segments; forward takes their ids as
+            `embed_ids={name: (b, n) ids}`, and a table whose ids are not given adds its id 0 at
+            every position (BERT's default segment).
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
-    return_embeddings, return_mems, return_attn, return_intermediates, pos, state) -> logits
+    return_embeddings, return_mems, return_attn, return_intermediates, pos, state, prefix_len,
+    embed_ids) -> logits
     (b, n, num_tokens), embeddings (b, n, dim), or a pair with the memories / attention maps /
     Intermediates. `pos` (b|1, n) overrides the token positions (per-row positions of a left-padded
     batch); `state` (from `new_state`) makes x a continuation of the cached positions; `prefix_len`
@@ -194,7 +215,9 @@ class TransformerWrapper(SequenceWrapper):
                  emb_dim: int | None = None, emb_dropout: float = 0.0,
                  num_memory_tokens: int | None = None, tie_embedding: bool = False,
                  use_abs_pos_emb: bool | None = None, scaled_sinu_pos_emb: bool = False,
-                 max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None):
+                 max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None,
+                 logits_bias: bool = True, post_emb_norm: bool = False,
+                 embed_num_tokens: dict[str, int] | None = None):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -206,12 +229,13 @@ class TransformerWrapper(SequenceWrapper):
         self.num_tokens = num_tokens
         self.token_emb = TokenEmbedding(num_tokens, emb_dim)
         self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
+        self.embeds = ExtraEmbeddings(embed_num_tokens, dim) if embed_num_tokens else None
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
-                    shift_mem_down=shift_mem_down)
+                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm)
         self.tie_embedding = tie_embedding
-        self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens)
+        self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens, bias=logits_bias)
 
     def head(self, x: Tensor) -> Tensor:
         if self.to_logits is None:
@@ -223,12 +247,19 @@ class TransformerWrapper(SequenceWrapper):
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
-                state: DecodeState | None = None, prefix_len: Tensor | int | None = None) -> Any:
+                state: DecodeState | None = None, prefix_len: Tensor | int | None = None,
+                embed_ids: dict[str, Tensor] | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
         self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
+        if embed_ids is not None:
+            if self.embeds is None:
+                raise ValueError("embed_ids was given, but the model has no extra embeddings (embed_num_tokens)")
+            self.embeds.check(embed_ids, x)
         h = self.token_emb(x)
         if self.project_emb is not None:
             h = self.project_emb(h)
+        if self.embeds is not None:
+            h = self.embeds(h, embed_ids or {})
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
                                           pos, state, prefix_len)
@@ -237,7 +268,8 @@ class TransformerWrapper(SequenceWrapper):
 
 
 class ContinuousTransformerWrapper(SequenceWrapper):
-    """Vectors in (b, n, dim_in), vectors out (b, n, dim_out); arguments as `TransformerWrapper`.
+    """Vectors in (b, n, dim_in), vectors out (b, n, dim_out); arguments as `TransformerWrapper`
+    (`post_emb_norm` normalises the projected input plus absolute positions).
 
     allow_nonfinite: accept NaN / inf in the input instead of refusing it.
     """
@@ -247,7 +279,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                  dim_out: int | None = None, emb_dropout: float = 0.0,
                  num_memory_tokens: int | None = None, use_abs_pos_emb: bool | None = None,
                  scaled_sinu_pos_emb: bool = False, max_mem_len: int = 0, shift_mem_down: int = 0,
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, post_emb_norm: bool = False):
         super().__init__()
         stack = _stack(attn_layers, "ContinuousTransformerWrapper")
         dim = stack.dim
@@ -258,7 +290,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
-                    shift_mem_down=shift_mem_down)
+                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm)
 
     def head(self, x: Tensor) -> Tensor:
         return self.project_out(x) if self.project_out is not None else x

@@ -35,7 +35,8 @@ SWITCHES: dict[str, Any] = {
 # `TransformerWrapper` keywords that switch a feature on
 WRAPPER_SWITCHES: dict[str, Any] = {
     "use_abs_pos_emb": True, "scaled_sinu_pos_emb": True, "num_memory_tokens": 2, "max_mem_len": 4,
-    "shift_mem_down": 1, "tie_embedding": True,
+    "shift_mem_down": 1, "tie_embedding": True, "logits_bias": False, "post_emb_norm": True,
+    "embed_num_tokens": {"token_type": 2},
 }
 # boolean keywords whose False is an option too, not just the default
 BOTH_VALUES = ("attn_flash",)

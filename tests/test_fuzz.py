@@ -93,11 +93,14 @@ LAYER_SPACE: dict[str, st.SearchStrategy] = {
     "gate_values": sometimes(TRUE, 6),
     "attn_gate_values": sometimes(TRUE, 12),
     "attn_flash": sometimes(BOOL, 5),
+    "attn_qkv_bias": sometimes(TRUE, 6),
+    "attn_out_bias": sometimes(TRUE, 6),
     # feedforward
     "ff_mult": sometimes([1, 2, 0.5], 3),
     "ff_glu": sometimes(TRUE, 4),
     "ff_relu_squared": sometimes(TRUE, 6),
     "ff_swish": sometimes(TRUE, 6),
+    "ff_gelu_tanh": sometimes(TRUE, 8),
     "ff_dropout": sometimes([0.1, 0.5], 6),
     "ff_no_bias": sometimes(TRUE, 6),
     # layout
@@ -120,8 +123,10 @@ SEQ_WRAPPER_SPACE: dict[str, st.SearchStrategy] = {
     "use_abs_pos_emb": sometimes(BOOL, 4),
     "scaled_sinu_pos_emb": sometimes(TRUE, 8),
     "emb_dropout": sometimes([0.1], 8),
+    "post_emb_norm": sometimes(TRUE, 6),
 }
-TOKEN_SPACE = {**SEQ_WRAPPER_SPACE, "emb_dim": sometimes([8, 12], 6), "tie_embedding": sometimes(TRUE, 6)}
+TOKEN_SPACE = {**SEQ_WRAPPER_SPACE, "emb_dim": sometimes([8, 12], 6), "tie_embedding": sometimes(TRUE, 6),
+               "logits_bias": sometimes([False], 6), "embed_num_tokens": sometimes([{"token_type": 3}], 6)}
 CONTINUOUS_SPACE = {**SEQ_WRAPPER_SPACE, "dim_in": sometimes([5], 3), "dim_out": sometimes([3], 3)}
 VIT_SPACE = {"patch_size": st.sampled_from([2, 4, 2, 4, 3]), "channels": sometimes([1, 2], 2),
              "num_classes": sometimes([5], 2), "emb_dropout": sometimes([0.1], 8)}

@@ -44,7 +44,7 @@ class Attention(nn.Module):
             pre_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
             post_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
             fused=cfg.fused, keep_scores=keep_scores)
-        self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn)
+        self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
         if self.cross:

@@ -24,9 +24,11 @@ class Output(nn.Module):
     gate_values: out *= sigmoid(W x + b), per head feature, W = 0 and b = 1 at init (AlphaFold2).
     on_attn: a GLU on the merged heads, out = (A o) * sigmoid(B o) (attention-on-attention, in the
     form without the queries concatenated).
+    bias: the projection has a bias (attention-on-attention's always has one).
     """
 
-    def __init__(self, dim: int, heads: int, dim_value: int, gate_values: bool, on_attn: bool):
+    def __init__(self, dim: int, heads: int, dim_value: int, gate_values: bool, on_attn: bool,
+                 bias: bool = False):
         super().__init__()
         inner = heads * dim_value
         self.heads = heads
@@ -36,7 +38,7 @@ class Output(nn.Module):
             nn.init.zeros_(self.gate.weight)
             nn.init.ones_(self.gate.bias)
         self.on_attn = on_attn
-        self.proj = nn.Linear(inner, dim * 2 if on_attn else dim, bias=on_attn)
+        self.proj = nn.Linear(inner, dim * 2 if on_attn else dim, bias=on_attn or bias)
 
     def forward(self, out: Tensor, x: Tensor) -> Tensor:
         b, h, n, d = out.shape

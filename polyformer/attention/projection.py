@@ -47,10 +47,10 @@ class Projection(nn.Module):
         self.infusion = PositionInfusion(dim) if infuse else None
         self.cross = dim_context is not None
         if self.cross:
-            self.to_q = nn.Linear(dim, q_out, bias=False)
-            self.to_kv = nn.Linear(dim_context, k_out + v_out, bias=False)
+            self.to_q = nn.Linear(dim, q_out, bias=cfg.qkv_bias)
+            self.to_kv = nn.Linear(dim_context, k_out + v_out, bias=cfg.qkv_bias)
         else:
-            self.to_qkv = nn.Linear(dim, q_out + k_out + v_out, bias=False)
+            self.to_qkv = nn.Linear(dim, q_out + k_out + v_out, bias=cfg.qkv_bias)
 
     @property
     def dim_value(self) -> int:
@@ -61,10 +61,12 @@ class Projection(nn.Module):
         if self.cross:
             return self.queries(x), self.keys_values(src)
         if self.infusion is not None:
-            w_qk, w_v = self.to_qkv.weight.split((q_out + k_out, v_out), dim=0)
-            q = F.linear(self.infusion(x, q_pos), w_qk[:q_out])
-            k = F.linear(self.infusion(src.x, src.pos), w_qk[q_out:])
-            v = F.linear(src.x, w_v)
+            w_q, w_k, w_v = self.to_qkv.weight.split(self.split, dim=0)
+            b_q, b_k, b_v = (self.to_qkv.bias.split(self.split) if self.to_qkv.bias is not None
+                             else (None, None, None))
+            q = F.linear(self.infusion(x, q_pos), w_q, b_q)
+            k = F.linear(self.infusion(src.x, src.pos), w_k, b_k)
+            v = F.linear(src.x, w_v, b_v)
         elif src.x is x:
             q, k, v = self.to_qkv(x).split(self.split, dim=-1)
         else:   # XL memories precede x in the source: project once, queries are the last rows

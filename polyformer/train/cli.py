@@ -1,4 +1,4 @@
-"""`polyformer train | generate | eval | demo` (also `python -m polyformer ...`)."""
+"""`polyformer train | generate | eval | convert | demo` (also `python -m polyformer ...`)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,18 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split")
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
+    conv = sub.add_parser("convert", help="a Hugging Face model directory into a run directory, or back",
+                          description="Convert a Hugging Face GPT-2 / Llama model directory (config.json, "
+                                      "model.safetensors, tokenizer.json) into a run directory that generate and "
+                                      "eval accept, or a run directory into a Hugging Face model directory. With "
+                                      "--from-hf, settings for eval can be given as --section.key VALUE (data.*, "
+                                      "train.*, model.max_seq_len).")
+    side = conv.add_mutually_exclusive_group(required=True)
+    side.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model directory to convert into --out")
+    side.add_argument("--to-hf", metavar="RUN_DIR", help="a run directory to write as a Hugging Face model into --out")
+    conv.add_argument("--out", required=True, help="the directory to create (must not exist, or be empty)")
+    conv.add_argument("--ignore", action="append", default=[], metavar="NAME",
+                      help="with --from-hf: leave out the checkpoint tensors with this name or prefix (e.g. pooler)")
     sub.add_parser("demo", help="the short built-in demo", add_help=False)
     return top
 
@@ -78,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.fsdp:
             pairs.append(("train.fsdp", "true"))
         return train(args.out, preset=args.preset, config_file=args.config, overrides=pairs, resume=args.resume)
+    if args.command == "convert":
+        from .convert import from_hf_dir, to_hf_dir
+
+        if args.from_hf is not None:
+            return from_hf_dir(args.from_hf, args.out, args.ignore, overrides(extra))
+        if extra or args.ignore:
+            raise SystemExit(f"polyformer convert --to-hf: unknown flag(s) {extra + ['--ignore'] * bool(args.ignore)}")
+        return to_hf_dir(args.to_hf, args.out)
     if extra:
         raise SystemExit(f"polyformer {args.command}: unknown flag(s) {extra}")
     if args.command == "generate":

@@ -1,5 +1,6 @@
 """Tokenizers for training: raw bytes (no training, no dependency) or byte-level BPE trained on the
-corpus with the `tokenizers` package. Both save to one `tokenizer.json` that records their kind."""
+corpus with the `tokenizers` package; and a Hugging Face tokenizer.json kept as it is, for converted
+runs. All save to one `tokenizer.json` that records their kind."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ FORMAT = "polyformer-tokenizer"
 
 
 class Tokenizer(Protocol):
-    kind: str                    # "byte" or "bpe", as recorded in tokenizer.json
+    kind: str                    # "byte", "bpe" or "hf", as recorded in tokenizer.json
     specials: tuple[str, ...]
 
     @property
@@ -196,7 +197,66 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size}, specials={self.specials})"
 
 
-def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer:
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` kept as it is (BPE, WordPiece or Unigram: the `tokenizers`
+    package reads any of them), for runs converted from a Hugging Face model directory
+    (`polyformer convert --from-hf`). `encode` gives the ids the Hugging Face tokenizer gives by
+    default, its own post-processing included (Llama's BOS, BERT's [CLS] ... [SEP]); special tokens
+    written in the text become their ids, as there."""
+
+    kind = "hf"
+    specials: tuple[str, ...] = ()
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "HFTokenizer":
+        tk = _tokenizers()
+        try:
+            return cls(tk.Tokenizer.from_file(str(path)))
+        except Exception as error:       # the Rust side raises its own Exception type
+            raise ValueError(f"{str(path)!r} is not a tokenizer.json the `tokenizers` package reads ({error})") from error
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def ordinary_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def token_id(self, special: str) -> int:
+        i = self.tokenizer.token_to_id(special)
+        if i is None:
+            raise KeyError(f"unknown special token {special!r} in this Hugging Face tokenizer")
+        return i
+
+    def encode(self, text: bytes | str) -> list[int]:
+        return self.tokenizer.encode(BPETokenizer._text(text)).ids
+
+    def encode_batch(self, texts: Sequence[bytes | str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch([BPETokenizer._text(t) for t in texts])]
+
+    def decode(self, ids: Iterable[int] | Tensor) -> str:
+        ids = _ids(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={self.vocab_size})")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The Hugging Face tokenizer.json text."""
+        return self.tokenizer.to_str()
+
+    def save(self, directory: str | Path) -> Path:
+        return _write(directory, {"kind": self.kind, "specials": [], "tokenizers": json.loads(self.tokenizer.to_str())})
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     """The tokenizer saved in directory/tokenizer.json, of the kind it records."""
     path = Path(directory) / FILENAME
     if not path.is_file():
@@ -210,7 +270,9 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer:
     if kind == BPETokenizer.kind:
         tk = _tokenizers()
         return BPETokenizer(tk.Tokenizer.from_str(json.dumps(record["tokenizers"])), record["specials"])
-    raise ValueError(f"{str(path)!r} records an unknown tokenizer kind {kind!r}; expected 'byte' or 'bpe'")
+    if kind == HFTokenizer.kind:
+        return HFTokenizer(_tokenizers().Tokenizer.from_str(json.dumps(record["tokenizers"])))
+    raise ValueError(f"{str(path)!r} records an unknown tokenizer kind {kind!r}; expected 'byte', 'bpe' or 'hf'")
 
 
 def build_tokenizer(kind: str, data: bytes | str | None = None, vocab_size: int | None = None,

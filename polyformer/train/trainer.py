@@ -76,7 +76,11 @@ def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
         return resolve(preset, config_file, overrides)
     if preset or config_file:
         raise SystemExit("polyformer: --resume continues the run's own settings; drop --preset / --config")
-    settings = from_dict(load_run_config(run_dir)["train"]["settings"])
+    config = load_run_config(run_dir)
+    if config["train"].get("converted_from"):
+        raise SystemExit(f"polyformer: {str(run_dir)!r} was converted from a Hugging Face checkpoint "
+                         "(polyformer convert): it can be sampled and evaluated, not resumed")
+    settings = from_dict(config["train"]["settings"])
     for dotted, value in overrides:       # only the length of the run and the display may change
         if dotted not in ("train.steps", "train.progress"):
             raise SystemExit(f"polyformer: --{dotted} cannot change when resuming (only --train.steps)")
@@ -289,6 +293,11 @@ def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
     path = Path(run_dir)
     config = load_run_config(path)
     settings = from_dict(config["train"]["settings"])
+    origin = config["train"].get("converted_from")
+    if origin and not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"polyformer: {str(path)!r} was converted from the Hugging Face directory "
+                         f"{origin.get('directory')!r}, which has no tokenizer.json, so it cannot read a prompt or a "
+                         "corpus: put the model's tokenizer.json beside its config.json and convert again")
     model = build_model(config["model"])
     load_checkpoint(resume_checkpoint(path), model, rng=False)
     return settings, model.eval(), load_data(settings, path, fresh=False)

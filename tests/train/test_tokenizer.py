@@ -132,3 +132,32 @@ def test_load_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
     with pytest.raises(ValueError, match="not a polyformer tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_hf_tokenizer_keeps_the_hugging_face_file_and_its_post_processing(tmp_path):
+    """A Hugging Face tokenizer.json (here a WordLevel one with BERT's [CLS] ... [SEP] template)
+    encodes as the Hugging Face tokenizer does, and survives save / load_tokenizer."""
+    tk = pytest.importorskip("tokenizers")
+    from polyformer.train.tokenizer import HFTokenizer
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4}
+    raw = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    raw.post_processor = tk.processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    raw.save(str(tmp_path / "hf.json"))
+    tok = HFTokenizer.from_file(tmp_path / "hf.json")
+    assert tok.kind == "hf" and tok.vocab_size == 5 == tok.ordinary_vocab_size
+    assert tok.encode("hello world") == [1, 3, 4, 2] == raw.encode("hello world").ids
+    assert tok.encode_batch(["world", b"hello"]) == [[1, 4, 2], [1, 3, 2]]
+    assert tok.decode([3, 4]) == "hello world" and tok.token_id("[SEP]") == 2
+    with pytest.raises(KeyError, match="<mask>"):
+        tok.token_id("<mask>")
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([5])
+    tok.save(tmp_path / "run")
+    loaded = load_tokenizer(tmp_path / "run")
+    assert isinstance(loaded, HFTokenizer) and loaded.encode("hello world") == [1, 3, 4, 2]
+    assert json.loads(loaded.to_json()) == json.loads(raw.to_str())
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        HFTokenizer.from_file(tmp_path / "bad.json")

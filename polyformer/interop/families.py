@@ -1,0 +1,26 @@
+"""The supported Hugging Face families, and which one a model class belongs to."""
+
+from __future__ import annotations
+
+from .bert import BERT
+from .family import Family, Unsupported
+from .gpt2 import GPT2
+from .llama import LLAMA
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA)}
+SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
+
+
+def family_of(class_name: str | None, model_type: str | None) -> Family:
+    """The family of a Hugging Face model class; `Unsupported` naming it and the supported ones."""
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is not None and class_name is None:
+        return family
+    if family is None or class_name not in family.classes:
+        hint = ""
+        if family is not None:
+            hint = (f" (a model with a task head converts through its base model, e.g. "
+                    f"{'model.bert' if family is BERT else 'its base model attribute'})")
+        raise Unsupported(f"unsupported architecture {class_name!r} (model type {model_type!r}); supported: "
+                          f"{', '.join(SUPPORTED)}{hint}")
+    return family

@@ -1,0 +1,113 @@
+"""What the converters need to know about one Hugging Face model family: how its config becomes
+polyformer keywords and back, and which of its tensors becomes which polyformer tensor (`Link`).
+Each family (gpt2.py, bert.py, llama.py) is one `Family` record; hf.py runs them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..stack import AttentionLayers
+from ..wrappers import TransformerWrapper
+
+
+class Unsupported(ValueError):
+    """A checkpoint uses an option polyformer cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One polyformer tensor `ours` made of the Hugging Face tensors `theirs`.
+
+    Several tensors are joined along dim 0, `sizes` rows each (separate q / k / v projections into
+    one fused q|k|v); `transpose` undoes GPT-2's Conv1D layout (in, out). `absolute` names are not
+    under the base model's prefix (the LM head).
+    """
+
+    ours: str
+    theirs: tuple[str, ...]
+    sizes: tuple[int, ...] = ()
+    transpose: bool = False
+    absolute: bool = False
+
+    def to_ours(self, tensors: list[Tensor]) -> Tensor:
+        t = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+        return t.t().contiguous() if self.transpose else t.clone()
+
+    def to_theirs(self, t: Tensor) -> list[Tensor]:
+        if len(self.theirs) > 1:
+            return [part.clone() for part in t.split(list(self.sizes), dim=0)]
+        return [(t.t() if self.transpose else t).contiguous().clone()]
+
+    def their_shapes(self, ours: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The shapes the Hugging Face tensors must have to make a tensor of shape `ours`."""
+        if len(self.theirs) > 1:
+            return [(n, *ours[1:]) for n in self.sizes]
+        return [tuple(reversed(ours)) if self.transpose else tuple(ours)]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face model family.
+
+    classes: the accepted model classes, each with the prefix of its base model's tensors in its
+        state dict; the first is the class `to_hf` makes.
+    defaults: the Hugging Face config defaults for keys a config.json may leave out.
+    derived: regular expressions of buffers some checkpoints store that hold no weights (causal
+        masks, position ids, rotary frequencies): rebuilt from the config, so they are dropped.
+    build: config -> (stack class, stack keywords, wrapper keywords); raises `Unsupported`.
+    links: config -> the links of every polyformer tensor.
+    config_of: a polyformer model -> the Hugging Face config that describes it.
+    tied_head: the name of the LM head tensor that a tied config shares with the token embedding.
+    main_kwargs: keyword arguments of the main class beside its config.
+    """
+
+    model_type: str
+    classes: dict[str, str]
+    defaults: dict[str, Any]
+    derived: tuple[str, ...]
+    build: Callable[[dict[str, Any]], tuple[type[AttentionLayers], dict[str, Any], dict[str, Any]]]
+    links: Callable[[dict[str, Any]], list[Link]]
+    config_of: Callable[[TransformerWrapper], dict[str, Any]]
+    embedding: str = ""                       # the token embedding's name (the tied head's twin)
+    tied_head: str | None = None
+    notes: dict[str, str] = field(default_factory=dict)   # hints for unexpected tensors, by prefix
+    main_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def main_class(self) -> str:
+        return next(iter(self.classes))
+
+
+def ff_mult(inner: int, dim: int) -> float:
+    """The `ff_mult` whose int(dim * ff_mult) is exactly `inner` (polyformer sizes the feedforward as a
+    multiple of dim)."""
+    mult = inner / dim
+    for _ in range(4):
+        if int(dim * mult) == inner:
+            return float(mult) if mult != int(mult) else int(mult)
+        mult = math.nextafter(mult, math.inf)
+    raise Unsupported(f"no ff_mult gives a feedforward of exactly {inner} features for dim={dim}")
+
+
+def inner_dim(model: TransformerWrapper) -> int:
+    cfg = model.attn_layers.cfg
+    return int(cfg.dim * cfg.ff.mult)
+
+
+def activation(name: str, family: str, key: str) -> dict[str, Any]:
+    """The stack keyword of a Hugging Face activation name."""
+    table = {"gelu": {}, "gelu_new": {"ff_gelu_tanh": True}, "gelu_pytorch_tanh": {"ff_gelu_tanh": True},
+             "silu": {"ff_swish": True}, "swish": {"ff_swish": True}}
+    if name not in table:
+        raise Unsupported(f"{family}: {key}={name!r} is not supported; supported: {sorted(table)}")
+    return dict(table[name])
+
+
+def activation_name(model: TransformerWrapper) -> str:
+    return {"gelu": "gelu", "gelu_tanh": "gelu_new", "swish": "silu"}.get(model.attn_layers.cfg.ff.activation,
+                                                                          model.attn_layers.cfg.ff.activation)

@@ -1,0 +1,95 @@
+"""Llama (arXiv:2302.13971): pre-norm decoder with RMSNorm, SwiGLU feedforward, rotary positions
+paired as halves (rotate_half: feature i with i + d/2), grouped-query attention, no biases, an
+untied head by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..stack import Decoder
+from ..wrappers import TransformerWrapper
+from .family import Family, Link, Unsupported, activation, ff_mult, inner_dim
+
+DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False}
+
+
+def rope(c: dict[str, Any]) -> tuple[str, float]:
+    """(rope type, theta) from a v5 config (rope_parameters) or an older one (rope_theta, rope_scaling)."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict):
+        return params.get("rope_type", "default"), float(params.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or {}
+    return scaling.get("rope_type", scaling.get("type", "default")), float(c.get("rope_theta", 10000.0))
+
+
+def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
+    kind, theta = rope(c)
+    if kind != "default":
+        raise Unsupported(f"llama: rope type {kind!r} (scaled rotary frequencies) is not supported; only 'default'")
+    heads = c["num_attention_heads"]
+    kv = c["num_key_value_heads"] or heads
+    if heads % kv:
+        raise Unsupported(f"llama: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+    dim = c["hidden_size"]
+    act = activation(c["hidden_act"], "llama", "hidden_act")
+    layers = dict(dim=dim, depth=c["num_hidden_layers"], heads=heads, attn_dim_head=c["head_dim"] or dim // heads,
+                  rotary_pos_emb=True, rotary_base=theta, use_rmsnorm=True, norm_eps=float(c["rms_norm_eps"]),
+                  ff_glu=True, ff_mult=ff_mult(c["intermediate_size"], dim), **act)
+    if kv != heads:
+        layers["attn_kv_heads"] = kv
+    if not c["mlp_bias"]:
+        layers["ff_no_bias"] = True
+    if c["attention_bias"]:
+        layers.update(attn_qkv_bias=True, attn_out_bias=True)
+    tied = bool(c["tie_word_embeddings"])
+    wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"], tie_embedding=tied)
+    if not tied:
+        wrap["logits_bias"] = False
+    return Decoder, layers, wrap
+
+
+def links(c: dict[str, Any]) -> list[Link]:
+    heads = c["num_attention_heads"]
+    kv = c["num_key_value_heads"] or heads
+    d = c["head_dim"] or c["hidden_size"] // heads
+    inner = c["intermediate_size"]
+    kinds = ("weight", "bias") if c["attention_bias"] else ("weight",)
+    ff_kinds = ("weight", "bias") if c["mlp_bias"] else ("weight",)
+    out = [Link("token_emb.weight", ("embed_tokens.weight",))]
+    for i in range(c["num_hidden_layers"]):
+        a, f, h = f"attn_layers.blocks.{2 * i}", f"attn_layers.blocks.{2 * i + 1}", f"layers.{i}"
+        out += [Link(f"{a}.norm_in.weight", (f"{h}.input_layernorm.weight",)),
+                Link(f"{f}.norm_in.weight", (f"{h}.post_attention_layernorm.weight",))]
+        for kind in kinds:
+            out += [Link(f"{a}.branch.project.to_qkv.{kind}",
+                         tuple(f"{h}.self_attn.{p}_proj.{kind}" for p in "qkv"), sizes=(heads * d, kv * d, kv * d)),
+                    Link(f"{a}.branch.output.proj.{kind}", (f"{h}.self_attn.o_proj.{kind}",))]
+        for kind in ff_kinds:     # polyformer's GLU computes first_half * act(second_half): up, then gate
+            out += [Link(f"{f}.branch.proj_in.{kind}", (f"{h}.mlp.up_proj.{kind}", f"{h}.mlp.gate_proj.{kind}"),
+                         sizes=(inner, inner)),
+                    Link(f"{f}.branch.proj_out.{kind}", (f"{h}.mlp.down_proj.{kind}",))]
+    out.append(Link("attn_layers.final_norm.weight", ("norm.weight",)))
+    if not c["tie_word_embeddings"]:
+        out.append(Link("to_logits.weight", ("lm_head.weight",), absolute=True))
+    return out
+
+
+def config_of(model: TransformerWrapper) -> dict[str, Any]:
+    c = model.attn_layers.cfg
+    a = c.attention
+    return {"vocab_size": model.num_tokens, "hidden_size": c.dim, "intermediate_size": inner_dim(model),
+            "num_hidden_layers": c.depth, "num_attention_heads": a.heads,
+            "num_key_value_heads": a.kv_heads or a.heads, "head_dim": a.dim_head,
+            "hidden_act": "silu", "max_position_embeddings": model.max_seq_len, "rms_norm_eps": c.norm_eps,
+            "tie_word_embeddings": model.to_logits is None, "attention_bias": a.qkv_bias,
+            "mlp_bias": c.ff.bias, "attention_dropout": 0.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": a.rotary_base}}
+
+
+LLAMA = Family(
+    model_type="llama", classes={"LlamaForCausalLM": "model."}, defaults=DEFAULTS,
+    derived=(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",), build=build, links=links, config_of=config_of,
+    embedding="embed_tokens.weight", tied_head="lm_head.weight")
