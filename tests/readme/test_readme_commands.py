@@ -76,6 +76,14 @@ def _check_pip_install(args: list[str]) -> None:
         if arg.startswith("torch=="):
             assert torch.__version__.split("+")[0] == arg.split("==")[1], \
                 f"README pins {arg} but torch {torch.__version__} is installed"
+        elif "==" in arg and "[" not in arg:          # a pinned package from PyPI
+            from importlib.metadata import PackageNotFoundError, version
+
+            name, _, pinned = arg.partition("==")
+            try:
+                assert version(name) == pinned, f"README pins {arg} but {name} {version(name)} is installed"
+            except PackageNotFoundError:
+                pytest.skip(f"{name} is not installed here (the README's test command installs it)")
         else:
             target, _, extra = arg.partition("[")
             assert (ROOT / target / "pyproject.toml").exists(), f"pip install {arg}: no project at {target!r}"
@@ -98,6 +106,13 @@ def test_test_command_steps_exist():
 def test_readme_test_command_is_what_ci_runs():
     assert ci_last_command() == "python -m pytest -q -n 2 tests"
     assert steps(bash_commands()[1])[-1] == ci_last_command()
+
+
+def test_ci_installs_what_the_readme_test_command_installs():
+    ci = [" ".join(a for a in shlex.split(c, comments=True)[4:] if a != "--quiet")
+          for c in commands(CI.read_text()) if shlex.split(c)[:4] == ["python", "-m", "pip", "install"]]
+    readme = [" ".join(shlex.split(s)[2:]) for s in steps(bash_commands()[1])[:-1]]
+    assert readme == ci
 
 
 def test_readme_and_ci_pin_the_same_torch():
