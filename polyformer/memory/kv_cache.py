@@ -53,8 +53,8 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
-        if mask is not None and not bool(mask.all()):
-            self.padded = True
+        if mask is not None and (torch.compiler.is_compiling() or not bool(mask.all())):
+            self.padded = True              # traced: assume padding rather than read the mask's values
         if prefix:
             if self.length:
                 raise ValueError("memory tokens can only start a decode state")
