@@ -35,6 +35,17 @@ class DecodeState:
         self.cross: dict[int, KV] = {}
         self.shift: dict[int, Tensor] = {}
 
+    @classmethod
+    def over(cls, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, length: int, prefix: int = 0) -> "DecodeState":
+        """A state over existing storage, written in place (not copied): the tensors of another
+        state, e.g. the inputs of an exported decode step (`polyformer.export.DecodeStep`). Its
+        cached positions may be padding, so the key mask is always applied."""
+        new = cls.__new__(cls)
+        new.k, new.v, new.pos, new.mask = k, v, pos, mask
+        new.length, new.prefix, new.padded, new.pending = length, prefix, True, 0
+        new.cross, new.shift = {}, {}
+        return new
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]
