@@ -10,6 +10,7 @@ model's own mode is restored afterwards).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -149,7 +150,9 @@ def export_onnx(model: TransformerWrapper, path: str | os.PathLike | None = None
     model = _check_net(model, "export_onnx")
     ids = example if example is not None else example_ids(model)
     args = (ids, torch.ones_like(ids, dtype=torch.bool)) if mask else (ids,)
-    with _inference(model):
+    with _inference(model), warnings.catch_warnings():
+        # ids and mask share their Dims on purpose; the exporter says so once per axis
+        warnings.filterwarnings("ignore", message=".*will not be used, since it shares the same shape constraints")
         program = torch.onnx.export(model, args, dynamo=True, verbose=False,
                                     dynamic_shapes=decoder_shapes(model, mask, dynamic_batch, dynamic_seq),
                                     input_names=["ids", "mask"] if mask else ["ids"], output_names=["logits"])
