@@ -98,7 +98,7 @@ def export_decoder(model: TransformerWrapper, example: Tensor | None = None, mas
 
     Args:
         model: a `TransformerWrapper` (a Decoder or an Encoder stack).
-        example: (b, n) token ids to trace with; default `example_ids(model)`.
+        example: (b, n) token ids to trace with, b and n >= 2; default `example_ids(model)`.
         mask: the program also takes a (b, n) bool padding mask, True = keep.
     """
     model = _check_net(model, "export_decoder")
@@ -125,15 +125,15 @@ def export_decode_step(model: TransformerWrapper, max_len: int = 8, batch: int =
         raise ValueError(f"export_decode_step traces with max_len >= 4 and batch >= 2 (sizes 0 and 1 "
                          f"would be specialised), got max_len={max_len}, batch={batch}")
     state = model.new_state(batch, max_len)
-    # Dim.DYNAMIC: the ranges (max_len >= length + n + memory tokens, ...) are the ones the trace finds
-    b = cap = Dim.DYNAMIC
-    storage = ({1: b, 3: cap}, {1: b, 3: cap}, {0: b, 1: cap}, {0: b, 1: cap})
+    # every size symbolic; the trace finds how they relate (one batch, max_len >= length + n, ...)
+    dyn = Dim.DYNAMIC
+    storage = ({1: dyn, 3: dyn}, {1: dyn, 3: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn})
     if prompt:
         x, length = example_ids(model, batch, max_len // 2), 0
-        shapes = ({0: b, 1: Dim.DYNAMIC}, *storage, None)
+        shapes = ({0: dyn, 1: dyn}, *storage, None)
     else:
         x, length = example_ids(model, batch, 1), max_len // 2
-        shapes = ({0: b}, *storage, Dim.DYNAMIC)
+        shapes = ({0: dyn}, *storage, dyn)
     with _inference(model):
         return torch.export.export(step, (x, state.k, state.v, state.pos, state.mask, length),
                                    dynamic_shapes=shapes)

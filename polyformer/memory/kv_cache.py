@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import checks
 from ..interfaces import KV
 
 
@@ -64,7 +65,7 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
-        if mask is not None and (torch.compiler.is_compiling() or not bool(mask.all())):
+        if mask is not None and (checks.tracing() or not bool(mask.all())):
             self.padded = True              # traced: assume padding rather than read the mask's values
         if prefix:
             if self.length:
