@@ -1,4 +1,9 @@
-"""Input checks, run before any compute; every message names the argument and what was expected."""
+"""Input checks, run before any compute; every message names the argument and what was expected.
+
+Checks of shapes, dtypes and types run always. Checks that read tensor values (token ids in range,
+finite inputs, prefix lengths) run on eager calls only: under `torch.compile` / `torch.export` a
+Python branch on a tensor's value would break the graph, so `tracing()` skips them there.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,11 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .memory.kv_cache import DecodeState
     from .stack import AttentionLayers
+
+
+def tracing() -> bool:
+    """Whether this call is being traced by torch.compile or torch.export (value checks are skipped)."""
+    return torch.compiler.is_compiling()
 
 
 def tensor(name: str, x: object) -> Tensor:
@@ -26,6 +36,8 @@ def token_ids(x: object, num_tokens: int, name: str = "x") -> Tensor:
         raise ValueError(f"{name} must have shape (batch, seq), got {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise ValueError(f"{name} must hold at least one token, got shape {tuple(x.shape)}")
+    if tracing():
+        return x
     lo, hi = int(x.min()), int(x.max())
     if lo < 0 or hi >= num_tokens:
         bad = lo if lo < 0 else hi
@@ -43,7 +55,7 @@ def floats(name: str, x: object, ndim: int, shape_text: str) -> Tensor:
 
 
 def finite(name: str, x: Tensor) -> None:
-    if not torch.isfinite(x).all():
+    if not tracing() and not torch.isfinite(x).all():
         raise ValueError(f"{name} holds NaN or inf values")
 
 
@@ -136,6 +148,6 @@ def prefix_len(value: object, b: int, n: int, causal: bool) -> Tensor:
         t = t.expand(b)
     if tuple(t.shape) != (b,):
         raise ValueError(f"prefix_len must be an int or have shape (batch,) = ({b},), got {tuple(t.shape)}")
-    if bool((t < 0).any()) or bool((t > n).any()):
+    if not tracing() and (bool((t < 0).any()) or bool((t > n).any())):
         raise ValueError(f"prefix_len must be in [0, seq_len={n}], got {t.tolist()}")
     return t.long()

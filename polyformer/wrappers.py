@@ -123,10 +123,16 @@ class SequenceWrapper(nn.Module):
              prefix_len: Tensor | int | None = None) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
         tok_pos = self._positions(n, pos, state, h.device)
-        if self.bounded and int(tok_pos.max()) >= self.max_seq_len:
-            raise ValueError(
-                f"x needs {int(tok_pos.max()) + 1} positions but max_seq_len={self.max_seq_len} and the "
-                "learned absolute positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias)")
+        if self.bounded:
+            needed = 0
+            if not checks.tracing():
+                needed = int(tok_pos.max()) + 1
+            elif pos is None and state is None:     # a traced graph knows only the default 0 .. n-1
+                needed = n
+            if needed > self.max_seq_len:
+                raise ValueError(
+                    f"x needs {needed} positions but max_seq_len={self.max_seq_len} and the learned absolute "
+                    "positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias)")
         if self.pos_emb is not None:
             h = h + self.pos_emb(tok_pos).to(h.dtype)
         if self.post_emb_norm is not None:

@@ -155,6 +155,19 @@ def test_all_false_mem_masks_equal_no_memory():
     assert not torch.allclose(model(seg2, mems=mems), alone)
 
 
+def test_each_block_reads_its_own_mem_mask():
+    model = tiny_lm(depth=2, max_mem_len=8, rel_pos_bias=True)
+    seg1, seg2 = ids(2, 6), ids(2, 6, seed=1)
+    _, mems = model(seg1, return_mems=True)
+    partial = torch.ones(2, 6, dtype=torch.bool)
+    partial[:, :2] = False
+    masks = [torch.ones(2, 6, dtype=torch.bool), partial]       # block 1 hides its first two slots
+    changed = [mems[0], mems[1].clone()]
+    changed[1][:, :2] += 1.0
+    assert_close(model(seg2, mems=changed, mem_masks=masks), model(seg2, mems=mems, mem_masks=masks))
+    assert not torch.allclose(model(seg2, mems=changed), model(seg2, mems=mems))
+
+
 # ---------------------------------------------------------------- embeddings and positions
 
 

@@ -75,8 +75,13 @@ class Attention(nn.Module):
 
     def keep(self, ctx: Context, kv: KV) -> tuple[Tensor | None, bool]:
         """The boolean keep-mask (b|1, 1, i, j), or None with causal=True when the pattern is
-        exactly top-left causal. Built once per forward and shared by the stack's blocks."""
-        key = (self.cross, self.causal, kv.free, kv.k.shape[2])
+        exactly top-left causal. Built once per forward and shared by the stack's blocks.
+
+        Blocks of one kind see keys of one length and order (XL memories all have one length, a
+        decode state one fill), so the key leaves the length out: a traced graph then need not
+        specialise on it. Only XL memory masks are per block."""
+        per_block = ctx.mem_masks is not None and not self.cross
+        key = (self.cross, self.causal, kv.free, self.layer if per_block else None)
         if key not in ctx.memo:
             ctx.memo[key] = self._build_keep(ctx, kv)
         return ctx.memo[key]

@@ -66,6 +66,7 @@ class AutoregressiveWrapper(nn.Module):
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self.max_seq_len = net.max_seq_len
+        self._compiled: dict[object, nn.Module] = {}   # backend -> compiled net; a dict keeps it out of state_dict
 
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None) -> Tensor:
@@ -89,7 +90,7 @@ class AutoregressiveWrapper(nn.Module):
                  mask: Tensor | None = None, context: Tensor | None = None,
                  context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
                  state: DecodeState | None = None, generator: torch.Generator | None = None,
-                 num_beams: int = 1, length_penalty: float = 1.0) -> Tensor:
+                 num_beams: int = 1, length_penalty: float = 1.0, compile: bool | str | Callable = False) -> Tensor:
         """Sample `seq_len` tokens after `prompts` (b, n); returns (b, seq_len).
 
         Args:
@@ -108,11 +109,15 @@ class AutoregressiveWrapper(nn.Module):
                 positions (after memory tokens) leave the window.
             num_beams: > 1 runs beam search (`generate.beam.beam_search`) instead of sampling, with
                 `length_penalty`; sampling arguments must then keep their defaults.
+            compile: run the one-token decode steps through `torch.compile` (True: the default
+                inductor backend; or a backend, by name such as "aot_eager" or as a callable). The
+                prompt runs eagerly; the first call pays the compile time, later calls reuse it.
+                Needs cache_kv=True.
         """
         if num_beams != 1:
             sampling = dict(temperature=(temperature, 1.0), filter_logits_fn=(filter_logits_fn, None),
                             repetition_penalty=(repetition_penalty, 1.0), state=(state, None),
-                            cache_kv=(cache_kv, True), generator=(generator, None))
+                            cache_kv=(cache_kv, True), generator=(generator, None), compile=(compile, False))
             clash = [name for name, (value, default) in sampling.items() if value is not default and value != default]
             if clash:
                 raise ValueError(f"num_beams={num_beams} runs beam search, which does not take {clash}")
@@ -124,7 +129,7 @@ class AutoregressiveWrapper(nn.Module):
             prompts, seq_len, eos_token=eos_token, temperature=temperature, filter_logits_fn=filter_logits_fn,
             filter_kwargs=filter_kwargs, cache_kv=cache_kv, mask=mask, context=context,
             context_mask=context_mask, repetition_penalty=repetition_penalty, state=state,
-            generator=generator, pad_to_length=True)), dim=1)
+            generator=generator, pad_to_length=True, compile=compile)), dim=1)
 
     @torch.no_grad()
     def stream(self, prompts: Tensor, seq_len: int, eos_token: int | None = None, temperature: float = 1.0,
@@ -132,7 +137,7 @@ class AutoregressiveWrapper(nn.Module):
                cache_kv: bool = True, mask: Tensor | None = None, context: Tensor | None = None,
                context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
                state: DecodeState | None = None, generator: torch.Generator | None = None,
-               pad_to_length: bool = False) -> Iterator[Tensor]:
+               pad_to_length: bool = False, compile: bool | str | Callable = False) -> Iterator[Tensor]:
         """`generate`, one step at a time: yields each new (b,) token as soon as it is chosen; stops
         early when every row has produced `eos_token` (unless pad_to_length)."""
         checks.token_ids(prompts, self.net.num_tokens, "prompts")
@@ -148,6 +153,9 @@ class AutoregressiveWrapper(nn.Module):
                              f"max_seq_len={self.max_seq_len}")
         if state is not None and not cache_kv:
             raise ValueError("a decode state is only used with cache_kv=True")
+        if compile is not False and not cache_kv:
+            raise ValueError("compile compiles the cached decode step; it needs cache_kv=True")
+        step_net = self.compiled_net(compile) if compile is not False else None
         sampler = Sampler(temperature, filter_logits_fn, filter_kwargs, repetition_penalty, generator)
         sampler.check(self.net.num_tokens)
         seen = None
@@ -160,7 +168,7 @@ class AutoregressiveWrapper(nn.Module):
         try:
             fits = not self.net.bounded or n + seq_len <= self.max_seq_len
             if cache_kv and (fits or state is not None):
-                steps = self._cached(prompts, mask, seq_len, context, context_mask, state)
+                steps = self._cached(prompts, mask, seq_len, context, context_mask, state, step_net)
             else:
                 steps = self._recomputed(prompts, mask, context, context_mask)
             yield from sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length)
@@ -170,7 +178,18 @@ class AutoregressiveWrapper(nn.Module):
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         return self.net.new_state(batch, max_len)
 
-    def _feed(self, x: Tensor, state: DecodeState, **kwargs) -> Tensor:
+    def compiled_net(self, backend: bool | str | Callable = True) -> nn.Module:
+        """`torch.compile(net)`, made once per backend (True: the default) and kept. It shares the
+        net's parameters; a cached step through it traces one graph and recompiles at most once
+        as the state fills (the fill becomes a symbolic size)."""
+        if backend is False or not (isinstance(backend, (bool, str)) or callable(backend)):
+            raise ValueError(f"compile must be True or a torch.compile backend (a name or a callable), got {backend!r}")
+        name = "inductor" if backend is True else backend
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(self.net, backend=name)
+        return self._compiled[name]
+
+    def _feed(self, x: Tensor, state: DecodeState, net: nn.Module | None = None, **kwargs) -> Tensor:
         """Run new tokens against the state; slide the window first when a relative-position
         model's state is full."""
         room = state.max_len - state.length
@@ -180,11 +199,12 @@ class AutoregressiveWrapper(nn.Module):
             if x.shape[1] > window:
                 raise ValueError(f"{x.shape[1]} new tokens do not fit a decode state of {window} positions")
             state.slide(max(x.shape[1] - room, window // 4), keep=keep)
-        return self.net(x, state=state, **kwargs)
+        return (net if net is not None else self.net)(x, state=state, **kwargs)
 
     def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
-                context_mask: Tensor | None, state: DecodeState | None):
-        """Yields next-token logits (b, v); is sent each chosen token."""
+                context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None):
+        """Yields next-token logits (b, v); is sent each chosen token. The one-token steps run
+        through `step_net` (a compiled net) when given."""
         b, n = prompts.shape
         if state is None:
             length = n + seq_len
@@ -195,7 +215,7 @@ class AutoregressiveWrapper(nn.Module):
         logits = self._feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
         while True:
             token = yield logits
-            logits = self._feed(token[:, None], state, context=context, context_mask=context_mask)[:, -1]
+            logits = self._feed(token[:, None], state, step_net, context=context, context_mask=context_mask)[:, -1]
 
     def _recomputed(self, prompts: Tensor, mask: Tensor | None, context: Tensor | None,
                     context_mask: Tensor | None):

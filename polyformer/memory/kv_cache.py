@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import checks
 from ..interfaces import KV
 
 
@@ -35,6 +36,17 @@ class DecodeState:
         self.cross: dict[int, KV] = {}
         self.shift: dict[int, Tensor] = {}
 
+    @classmethod
+    def over(cls, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, length: int, prefix: int = 0) -> "DecodeState":
+        """A state over existing storage, written in place (not copied): the tensors of another
+        state, e.g. the inputs of an exported decode step (`polyformer.export.DecodeStep`). Its
+        cached positions may be padding, so the key mask is always applied."""
+        new = cls.__new__(cls)
+        new.k, new.v, new.pos, new.mask = k, v, pos, mask
+        new.length, new.prefix, new.padded, new.pending = length, prefix, True, 0
+        new.cross, new.shift = {}, {}
+        return new
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]
@@ -53,8 +65,8 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
-        if mask is not None and not bool(mask.all()):
-            self.padded = True
+        if mask is not None and (checks.tracing() or not bool(mask.all())):
+            self.padded = True              # traced: assume padding rather than read the mask's values
         if prefix:
             if self.length:
                 raise ValueError("memory tokens can only start a decode state")

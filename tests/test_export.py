@@ -1,0 +1,156 @@
+"""Export: `torch.export` of a TransformerWrapper + Decoder forward (dynamic batch and sequence
+length) and of one cached decode step equal eager; ONNX export run by onnxruntime gives the eager
+logits. The ONNX tests skip only when onnx / onnxscript / onnxruntime are not installed (the
+`test` extra installs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from polyformer import Decoder, Encoder, TransformerWrapper
+from polyformer.export import DecodeStep, export_decode_step, export_decoder, export_onnx
+from tests.helpers import ids, tiny_lm
+from tests.options import DECODER_OPTIONS, perturb
+
+SHAPES = [(2, 12), (1, 5), (3, 32), (4, 1)]        # batch and length both vary; 32 = max_seq_len
+
+
+def gpt(**keywords) -> TransformerWrapper:
+    """The README's GPT-style model, scaled down."""
+    torch.manual_seed(0)
+    layers = dict(dim=32, depth=2, heads=4) | keywords
+    return TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=Decoder(**layers)).eval()
+
+
+def test_plain_torch_export_works_on_the_model_itself():
+    model = gpt()
+    x = ids(2, 12)
+    assert_close(torch.export.export(model, (x,)).module()(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["default", "rotary_pos_emb", "alibi_pos_emb", "attn_kv_heads",
+                                  "num_memory_tokens", "combined"])
+def test_exported_forward_with_dynamic_batch_and_length_equals_eager(name):
+    torch.manual_seed(0)
+    model = perturb(tiny_lm(**dict(DECODER_OPTIONS[name])), scale=0.05)
+    program = export_decoder(model).module()
+    for b, n in SHAPES:
+        x = ids(b, n, seed=n)
+        assert_close(program(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_exported_forward_with_a_padding_mask_equals_eager_on_kept_positions():
+    model = gpt(rotary_pos_emb=True)
+    program = export_decoder(model, mask=True).module()
+    x = ids(3, 9)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :4] = False
+    keep = mask[..., None].expand(-1, -1, model.num_tokens)
+    assert_close(program(x, mask)[keep], model(x, mask=mask)[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_exported_encoder_forward_equals_eager():
+    torch.manual_seed(0)
+    model = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Encoder(dim=32, depth=2, heads=4)).eval()
+    program = export_decoder(model).module()
+    for b, n in [(2, 16), (3, 4)]:
+        x = ids(b, n)
+        assert_close(program(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_export_keeps_the_models_mode_and_bounds_the_length():
+    model = gpt().train()
+    program = export_decoder(model)
+    assert model.training                                   # exported in eval mode, mode restored
+    assert_close(program.module()(ids(2, 6)), model.eval()(ids(2, 6)))
+    with pytest.raises(AssertionError, match="32"):         # learned positions stop at max_seq_len
+        program.module()(ids(1, 33))
+
+
+@pytest.mark.parametrize("name", ["default", "combined_without_shift"])
+def test_exported_decode_steps_equal_cached_eager_steps(name):
+    options = dict(DECODER_OPTIONS["combined"], shift_tokens=0) if name != "default" else {}
+    torch.manual_seed(0)
+    model = perturb(tiny_lm(max_seq_len=64, **options), scale=0.05)
+    prompt_program = export_decode_step(model, prompt=True).module()
+    step_program = export_decode_step(model).module()
+    eager_state, state = model.new_state(3, 30), model.new_state(3, 30)   # batch and max_len differ from the trace
+    prompt = ids(3, 5)
+    want = model(prompt, state=eager_state)
+    got = prompt_program(prompt, state.k, state.v, state.pos, state.mask, 0)
+    state.length += prompt.shape[1] + model.num_memory_tokens
+    assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for _ in range(20):
+        token = want[:, -1:].argmax(-1)
+        want = model(token, state=eager_state)
+        got = step_program(token, state.k, state.v, state.pos, state.mask, state.length)
+        state.length += 1                                    # the program wrote the step in place
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert state.length == eager_state.length
+    assert_close(state.k[:, :, :, :state.length], eager_state.k[:, :, :, :state.length])
+
+
+def test_decode_step_module_refuses_state_it_cannot_carry_and_full_states():
+    with pytest.raises(ValueError, match="shift_tokens"):
+        DecodeStep(tiny_lm(shift_tokens=1))
+    with pytest.raises(ValueError, match="causal"):
+        DecodeStep(tiny_lm(Encoder))
+    with pytest.raises(TypeError, match="TransformerWrapper"):
+        DecodeStep(Decoder(dim=32, depth=1))
+    model = gpt()
+    step = export_decode_step(model).module()
+    state = model.new_state(2, 8)
+    with pytest.raises(AssertionError, match="length"):     # no room left: the program's guard
+        step(ids(2, 1), state.k, state.v, state.pos, state.mask, 8)
+
+
+@pytest.fixture
+def onnx_session():
+    """Opens a saved ONNX file in onnxruntime; skips when the ONNX packages are not installed."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    return lambda path: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_onnx_export_runs_in_onnxruntime_with_the_eager_logits(tmp_path, onnx_session):
+    model = perturb(gpt(), scale=0.05)
+    path = tmp_path / "gpt.onnx"
+    export_onnx(model, path)
+    session = onnx_session(path)
+    assert [i.name for i in session.get_inputs()] == ["ids"]
+    for b, n in SHAPES:
+        x = ids(b, n, seed=n)
+        (logits,) = session.run(["logits"], {"ids": x.numpy()})
+        assert_close(torch.from_numpy(logits), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_onnx_export_with_mask_and_rotary(tmp_path, onnx_session):
+    model = perturb(gpt(rotary_pos_emb=True, attn_kv_heads=2), scale=0.05)
+    path = tmp_path / "gpt_mask.onnx"
+    export_onnx(model, path, mask=True)
+    session = onnx_session(path)
+    x = ids(3, 9)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[2, :5] = False
+    (logits,) = session.run(["logits"], {"ids": x.numpy(), "mask": mask.numpy()})
+    # a padded query sees no key: eager gives it a zero attention output, ONNX Runtime another
+    # value; only the kept positions' logits mean anything
+    keep = mask[..., None].expand(-1, -1, model.num_tokens)
+    assert_close(torch.from_numpy(logits)[keep], model(x, mask=mask)[keep], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_onnx_export_of_the_readme_gpt_at_full_size(tmp_path, onnx_session):
+    torch.manual_seed(0)
+    model = TransformerWrapper(num_tokens=20000, max_seq_len=1024,
+                               attn_layers=Decoder(dim=512, depth=12, heads=8)).eval()
+    path = tmp_path / "gpt_full.onnx"
+    export_onnx(model, path)
+    session = onnx_session(path)
+    x = torch.randint(0, 20000, (1, 48))
+    (logits,) = session.run(["logits"], {"ids": x.numpy()})
+    with torch.no_grad():
+        assert_close(torch.from_numpy(logits), model(x), atol=1e-4, rtol=1e-4)
