@@ -183,11 +183,7 @@ class BPETokenizer:
         return [e.ids for e in encoded]
 
     def decode(self, ids: Iterable[int] | Tensor) -> str:
-        ids = _ids(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={self.vocab_size})")
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return _decode_with(self.tokenizer, ids, self.vocab_size)
 
     def save(self, directory: str | Path) -> Path:
         return _write(directory, {"kind": self.kind, "specials": list(self.specials),
@@ -195,6 +191,15 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size}, specials={self.specials})"
+
+
+def _decode_with(tokenizer: Any, ids: Iterable[int] | Tensor, vocab_size: int) -> str:
+    """A `tokenizers.Tokenizer`'s text for ids, special tokens kept; ids outside the vocabulary refused."""
+    ids = _ids(ids)
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 class HFTokenizer:
@@ -239,11 +244,7 @@ class HFTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch([BPETokenizer._text(t) for t in texts])]
 
     def decode(self, ids: Iterable[int] | Tensor) -> str:
-        ids = _ids(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={self.vocab_size})")
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return _decode_with(self.tokenizer, ids, self.vocab_size)
 
     def to_json(self) -> str:
         """The Hugging Face tokenizer.json text."""
