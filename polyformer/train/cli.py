@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--int8", action="store_true",
+                     help="quantize the weights to int8 first (polyformer.quantize_int8; faster batch-1 decoding)")
     ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split")
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import generate
 
         return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
-                        args.seed)
+                        args.seed, int8=args.int8)
     from .trainer import evaluate_run
 
     return evaluate_run(args.run, args.batches)

@@ -312,8 +312,12 @@ def evaluate_run(run_dir: str, batches: int | None = None) -> int:
 
 
 def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
-             p: float | None, seed: int) -> int:
+             p: float | None, seed: int, int8: bool = False) -> int:
     settings, model, data = load_run(run_dir)
+    if int8:
+        from ..quantize import quantize_int8
+
+        quantize_int8(model.eval())
     if settings.train.objective not in ("lm", "prefix_lm"):
         raise SystemExit(f"polyformer generate: a {settings.train.objective!r} run does not generate text")
     if max_new_tokens < 1:

@@ -46,6 +46,10 @@ def test_train_generate_eval(tmp_path):
     generated = polyformer("generate", "--run", str(run), "--max-new-tokens", "30", "--prompt", "def ")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("def ") and len(generated.stdout) > 4
+    greedy = [polyformer("generate", "--run", str(run), "--max-new-tokens", "12", "--prompt", "def ",
+                         "--temperature", "0", *flag) for flag in ((), ("--int8",))]
+    assert all(g.returncode == 0 for g in greedy), greedy[1].stderr
+    assert greedy[1].stdout[:6] == greedy[0].stdout[:6]      # int8 weights: the trained model's first choices hold
     evaluated = polyformer("eval", "--run", str(run))
     assert evaluated.returncode == 0, evaluated.stderr
     values = dict(zip(evaluated.stdout.split()[0::2], map(float, evaluated.stdout.split()[1::2])))
