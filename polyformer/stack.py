@@ -229,10 +229,12 @@ class AttentionLayers(nn.Module):
                       state=state)
         if state is not None:
             state.begin(pos, mask, prefix)
+        keep = return_intermediates or return_attn      # else hold no block's input past its use
         record = Intermediates()
         prev = {"a": None, "c": None}
         for block in self.blocks:
-            record.hiddens.append(x)
+            if keep:
+                record.hiddens.append(x)
             if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
             else:
@@ -241,9 +243,10 @@ class AttentionLayers(nn.Module):
                 prev[block.kind] = attn.scores
                 if attn.weights is not None:
                     record.attn.append(attn.weights)
-            if block.kind == "a":
+            if keep and block.kind == "a":
                 record.mems.append(h)
-        record.hiddens.append(x)
+        if keep:
+            record.hiddens.append(x)
         if state is not None:
             state.commit()
         if self.final_norm is not None:

@@ -463,3 +463,25 @@ def test_default_ff_is_gelu_mlp():
 def test_cross_attender_layout():
     stack = CrossAttender(dim=DIM, depth=2, heads=4)
     assert tuple(b.kind for b in stack.blocks) == ("c", "f") * 2
+
+
+def test_a_plain_forward_keeps_no_block_input_alive():
+    """Without return_intermediates / return_attn, a block's input is freed once the next block has
+    it (inference memory at long lengths: the stack once held every block's input to the end)."""
+    import weakref
+
+    model = Decoder(dim=32, depth=3, heads=4).eval()
+    inputs, alive_at = [], []
+
+    def pre_hook(module, args):
+        alive_at.append(sum(r() is not None for r in inputs[1:]))   # inputs[0] is the caller's tensor
+        inputs.append(weakref.ref(args[0]))
+
+    hooks = [b.register_forward_pre_hook(pre_hook) for b in model.blocks]
+    with torch.inference_mode():
+        model(torch.randn(2, 10, 32))
+        assert len(inputs) == 6 and alive_at == [0] * 6
+        _, record = model(torch.randn(2, 10, 32), return_intermediates=True)
+    assert len(record.hiddens) == 7 and len(record.mems) == 3
+    for h in hooks:
+        h.remove()
