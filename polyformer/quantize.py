@@ -58,7 +58,6 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(linear.weight)
         new.qweight.copy_(q)
         new.scale.copy_(scale)
-        new._scale_bf16 = None
         if linear.bias is not None:
             new.bias.copy_(linear.bias.detach().float())
         return new
@@ -75,7 +74,7 @@ class Int8Linear(nn.Module):
                 self._scale_bf16 = self.scale.to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self._scale_bf16)
             y = y.view(*x.shape[:-1], self.out_features)
-            return y.to(x.dtype) if self.bias is None else torch.add(self.bias, y, alpha=1).to(x.dtype)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)   # bias added in float32
         w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
         return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
 

@@ -11,17 +11,16 @@ from torch.testing import assert_close
 
 from polyformer import Decoder, Encoder, TransformerWrapper
 from polyformer.export import DecodeStep, export_decode_step, export_decoder, export_onnx
-from tests.helpers import ids, tiny_lm
+from tests.helpers import ids, tiny_encoder, tiny_lm
 from tests.options import DECODER_OPTIONS, perturb
 
 SHAPES = [(2, 12), (1, 5), (3, 32), (4, 1)]        # batch and length both vary; 32 = max_seq_len
 
 
 def gpt(**keywords) -> TransformerWrapper:
-    """The README's GPT-style model, scaled down."""
+    """The README's GPT-style model, scaled down: `tiny_lm` with seed 0."""
     torch.manual_seed(0)
-    layers = dict(dim=32, depth=2, heads=4) | keywords
-    return TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=Decoder(**layers)).eval()
+    return tiny_lm(**keywords)
 
 
 def test_plain_torch_export_works_on_the_model_itself():
@@ -53,7 +52,7 @@ def test_exported_forward_with_a_padding_mask_equals_eager_on_kept_positions():
 
 def test_exported_encoder_forward_equals_eager():
     torch.manual_seed(0)
-    model = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Encoder(dim=32, depth=2, heads=4)).eval()
+    model = tiny_encoder(max_seq_len=16)
     program = export_decoder(model).module()
     for b, n in [(2, 16), (3, 4)]:
         x = ids(b, n)

@@ -13,6 +13,7 @@ from polyformer import (AutoregressiveWrapper, ContinuousTransformerWrapper, Cro
                         TransformerWrapper, ViTransformerWrapper, XTransformer)
 from polyformer.attention.normalize import Entmax15, Softmax, TopK, fill_masked
 from polyformer.norm import LayerNorm, RMSNorm, ScaleNorm
+from tests.helpers import ids, tiny_lm
 from tests.options import perturb
 
 HALF = [torch.bfloat16, torch.float16]
@@ -30,11 +31,10 @@ CONFIGS = {
 }
 
 
-def lm(stack=Decoder, num_tokens: int = 64, max_seq_len: int = 512, dim: int = 32, depth: int = 1, heads: int = 4,
-       **keywords) -> TransformerWrapper:
+def lm(stack=Decoder, max_seq_len: int = 512, depth: int = 1, **keywords) -> TransformerWrapper:
+    """`tiny_lm` with seed 0, one block and room for long sequences (callers set the mode)."""
     torch.manual_seed(0)
-    return TransformerWrapper(num_tokens=num_tokens, max_seq_len=max_seq_len,
-                              attn_layers=stack(dim=dim, depth=depth, heads=heads, **keywords))
+    return tiny_lm(stack, max_seq_len=max_seq_len, depth=depth, **keywords)
 
 
 def padding(b: int, n: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_autocast_long_sequence_with_large_logits_is_finite(name, dtype):
     with torch.no_grad():
         model.token_emb.weight.mul_(100)               # large activations and logits
     n = 512
-    x = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(0))
+    x = ids(2, n, seed=0)
     mask = padding(2, n) if name == "masked" else None
     with torch.autocast("cpu", dtype=dtype):
         logits = model(x, mask=mask)
@@ -86,7 +86,7 @@ def test_attention_scores_beyond_the_half_range_stay_finite(options, dtype):
     model = lm(max_seq_len=64, attn_dim_head=8, **options).train()
     with torch.no_grad():
         model.attn_layers.blocks[0].branch.project.to_qkv.weight[:64].mul_(300)   # q and k rows: scores ~ 1e5
-    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    x = ids(2, 64, seed=1)
     with torch.autocast("cpu", dtype=dtype):
         out = model(x)
     assert_finite_step(model, out)
@@ -96,7 +96,7 @@ def test_attention_scores_beyond_the_half_range_stay_finite(options, dtype):
 def test_reference_path_agrees_with_the_fused_path_under_autocast(dtype):
     fused, reference = lm(max_seq_len=64).eval(), lm(max_seq_len=64, attn_flash=False).eval()
     reference.load_state_dict(fused.state_dict())
-    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(2))
+    x = ids(2, 64, seed=2)
     mask = padding(2, 64)
     with torch.autocast("cpu", dtype=dtype):
         a, b = fused(x, mask=mask), reference(x, mask=mask)
@@ -152,7 +152,7 @@ def test_norms_compute_in_float32_and_keep_the_dtype(norm_cls, dtype):
 def test_a_model_converted_to_half_runs_and_generates(options, dtype):
     """Regression: LayerNorm computed in float32 but handed F.layer_norm half weights (model.to(bf16))."""
     model = lm(max_seq_len=32, depth=2, **options).to(dtype).eval()
-    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    x = ids(2, 12, seed=0)
     logits = model(x, mask=padding(2, 12))
     assert logits.dtype == dtype and torch.isfinite(logits).all()
     tokens = AutoregressiveWrapper(model).generate(x[:, :4], 4, temperature=0.0)
@@ -176,7 +176,7 @@ FULL_MASK_OPTIONS = {
 @pytest.mark.parametrize("name", FULL_MASK_OPTIONS)
 def test_fully_masked_rows_are_finite_and_see_nothing(name, stack, dtype):
     model = perturb(lm(stack, max_seq_len=16, depth=2, **FULL_MASK_OPTIONS[name])).train()
-    x = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    x = ids(2, 10, seed=0)
     mask = padding(2, 10)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = model(x, mask=mask)
@@ -207,7 +207,7 @@ def test_an_empty_context_acts_as_a_fully_masked_one(name):
     to no key gives a zero output, exactly as a context whose every position is masked."""
     keywords = EMPTY_CONTEXT_OPTIONS[name]
     model = perturb(lm(max_seq_len=16, depth=2, cross_attend=True, **keywords)).train()
-    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    x = ids(2, 6, seed=0)
     empty = torch.randn(2, 0, 32)
     out = model(x, context=empty)
     assert_finite_step(model, out)
@@ -250,8 +250,8 @@ def _continuous():
 
 
 @pytest.mark.parametrize("make, batch", [
-    (_token_decoder, lambda b: (torch.randint(0, 64, (b, 9), generator=torch.Generator().manual_seed(0)),)),
-    (_token_encoder, lambda b: (torch.randint(0, 64, (b, 9), generator=torch.Generator().manual_seed(0)),)),
+    (_token_decoder, lambda b: (ids(b, 9, seed=0),)),
+    (_token_encoder, lambda b: (ids(b, 9, seed=0),)),
     (_continuous, lambda b: (torch.randn(b, 9, 5, generator=torch.Generator().manual_seed(0)),)),
 ], ids=["decoder", "encoder", "continuous"])
 def test_a_batch_of_one_equals_its_row_in_a_larger_batch(make, batch):
@@ -268,7 +268,7 @@ def test_a_batch_of_one_equals_its_row_in_a_larger_batch(make, batch):
 
 def test_a_batch_of_one_generates_cached_as_uncached():
     ar = AutoregressiveWrapper(_token_decoder())
-    prompt = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(0))
+    prompt = ids(1, 3, seed=0)
     cached = ar.generate(prompt, 6, temperature=0.0)
     assert cached.shape == (1, 6)
     assert torch.equal(cached, ar.generate(prompt, 6, temperature=0.0, cache_kv=False))

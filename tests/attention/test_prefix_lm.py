@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from polyformer import Encoder, TransformerWrapper
-from tests.helpers import ids, tiny_lm
+from polyformer import Encoder
+from tests.helpers import ids, tiny_encoder, tiny_lm
 from tests.options import perturb
 
 
@@ -29,8 +29,7 @@ def test_prefix_is_bidirectional_and_the_rest_causal(options):
 
 def test_whole_sequence_as_prefix_equals_an_encoder_with_the_same_weights():
     decoder_lm = perturb(tiny_lm())
-    encoder_lm = TransformerWrapper(num_tokens=64, max_seq_len=32,
-                                    attn_layers=Encoder(dim=32, depth=2, heads=4)).eval()
+    encoder_lm = tiny_encoder()
     encoder_lm.load_state_dict(decoder_lm.state_dict())
     x = ids(2, 10)
     assert_close(decoder_lm(x, prefix_len=10), encoder_lm(x), atol=1e-5, rtol=1e-5)
