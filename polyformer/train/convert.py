@@ -85,8 +85,6 @@ def from_hf_dir(hf_dir: str, out: str, ignore: list[str] | None = None,
         save_run_config(tmp, run_config(model, train))
         if tokenizer is not None:
             tokenizer.save(tmp)
-            with open(tmp / TOKENIZER, "rb+") as f:
-                os.fsync(f.fileno())
         save_checkpoint(tmp, 0, model, None, None, extra={"converted_from": str(src.resolve())}, keep_last=1)
         fsync_dir(tmp)
         os.replace(tmp, target)

@@ -6,6 +6,7 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 
 def fsync_dir(path: Path) -> None:
@@ -22,11 +23,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def replace_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call `write(file)` on a temporary file beside `path`, fsync it, then rename it onto `path`."""
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +36,10 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    replace_atomic(path, lambda f: f.write(data))
 
 
 def sha256_file(path: Path) -> str:

@@ -13,12 +13,13 @@ import csv
 import io
 import math
 import os
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
+
+from .files import replace_atomic, write_atomic
 
 TRAIN_FIELDS = ("step", "train_loss", "val_loss", "lr", "tokens_per_s")
 _warned: set[str] = set()
@@ -28,20 +29,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)
-
-
-def _replace_atomic(path: Path, write: Any) -> None:
-    """Call `write(file)` on a temporary file beside `path`, then rename it onto `path`."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_csv(path: str | os.PathLike) -> tuple[list[str], list[dict[str, str]]]:
@@ -109,7 +96,7 @@ class CSVLog:
         writer = csv.DictWriter(text, self.fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        _replace_atomic(self.path, lambda f: f.write(text.getvalue().encode()))
+        write_atomic(self.path, text.getvalue().encode())
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one row: {"step": int, field: number or None, ...}; absent fields stay empty."""
@@ -210,5 +197,5 @@ def plot_losses(csv_path: str | os.PathLike, png_path: str | os.PathLike, title:
     ax.set(xlabel="step", ylabel="loss", title=title or Path(csv_path).parent.name or "loss")
     ax.grid(alpha=0.3)
     png_path = Path(png_path)
-    _replace_atomic(png_path, lambda f: figure.savefig(f, format="png"))
+    replace_atomic(png_path, lambda f: figure.savefig(f, format="png"))
     return png_path

@@ -85,9 +85,8 @@ def build_objective(settings: RunSettings, data: Data, rank: int, world_size: in
     if t.objective == "lm":
         return LanguageModeling()
     if t.objective == "mlm":
-        ordinary = 256 if settings.data.tokenizer == "byte" else data.tokenizer.vocab_size - 1
-        return MaskedLanguageModeling(data.tokenizer.token_id(MASK), ordinary, generator=g, rank=rank,
-                                      world_size=world_size)
+        return MaskedLanguageModeling(data.tokenizer.token_id(MASK), data.tokenizer.ordinary_vocab_size,
+                                      generator=g, rank=rank, world_size=world_size)
     if t.objective == "prefix_lm":
         n = settings.model.max_seq_len
         return PrefixLanguageModeling(1, n // 2, generator=g, rank=rank, world_size=world_size)

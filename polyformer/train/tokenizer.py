@@ -10,6 +10,8 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from torch import Tensor
 
+from .files import write_atomic
+
 FILENAME = "tokenizer.json"
 FORMAT = "polyformer-tokenizer"
 
@@ -57,7 +59,7 @@ def _write(directory: str | Path, record: dict[str, Any]) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     path = path / FILENAME
-    path.write_text(json.dumps({"format": FORMAT, **record}, ensure_ascii=False), encoding="utf-8")
+    write_atomic(path, json.dumps({"format": FORMAT, **record}, ensure_ascii=False).encode("utf-8"))
     return path
 
 

@@ -22,14 +22,16 @@ from torch import nn
 from ..build import build_model
 from ..generate.decode import AutoregressiveWrapper
 from ..generate.sampling import top_k, top_p
+from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, shard
-from .run import load_run_config, run_config, save_run_config
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
+from .run import CONFIG, load_run_config, run_config, save_run_config
 from .settings import RunSettings, from_dict, resolve, to_dict
 from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
                     train_batches)
+from .tokenizer import FILENAME as TOKENIZER_FILE
 
 
 class Stop:
@@ -70,7 +72,7 @@ def train(out: str, preset: str | None = None, config_file: str | None = None,
 def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
                   overrides: list[tuple[str, str]], resume: bool) -> RunSettings:
     if not resume:
-        if (run_dir / "config.json").exists():
+        if (run_dir / CONFIG).exists():
             raise SystemExit(f"polyformer: {str(run_dir)!r} already holds a run; pass --resume to continue it "
                              "or choose another --out (nothing was changed)")
         return resolve(preset, config_file, overrides)
@@ -238,8 +240,6 @@ def _progress(rank: int, t: Any, step: int) -> Any:
 def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Data,
              batches: int | None = None) -> dict[str, float]:
     """Validation loss over fixed batches (the same every time), perplexity and bits per byte."""
-    from .batches import Batches
-
     n = batches or settings.train.eval_batches
     was_training = model.training
     model.eval()
@@ -294,7 +294,7 @@ def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
     config = load_run_config(path)
     settings = from_dict(config["train"]["settings"])
     origin = config["train"].get("converted_from")
-    if origin and not (path / "tokenizer.json").is_file():
+    if origin and not (path / TOKENIZER_FILE).is_file():
         raise SystemExit(f"polyformer: {str(path)!r} was converted from the Hugging Face directory "
                          f"{origin.get('directory')!r}, which has no tokenizer.json, so it cannot read a prompt or a "
                          "corpus: put the model's tokenizer.json beside its config.json and convert again")

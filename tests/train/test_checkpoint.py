@@ -12,12 +12,13 @@ np = pytest.importorskip("numpy")        # (torch does not require it; the globa
 pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 
-from polyformer import Decoder, TransformerWrapper, build_model  # noqa: E402
+from polyformer import TransformerWrapper, build_model  # noqa: E402
 from polyformer.train import checkpoint  # noqa: E402
 from polyformer.train.checkpoint import (  # noqa: E402
     ResumeError, latest_checkpoint, list_checkpoints, load_checkpoint, resume_checkpoint, save_checkpoint)
 from polyformer.train.rng import restore_rng, rng_state  # noqa: E402
 from polyformer.train.run import load_run_config, model_from_run, run_config, save_run_config  # noqa: E402
+from tests.helpers import tiny_lm  # noqa: E402
 
 NUM_TOKENS = 32
 DATA = torch.randint(0, NUM_TOKENS, (4096,), generator=torch.Generator().manual_seed(7))
@@ -25,9 +26,7 @@ SETTINGS = {"lr": 3e-3, "weight_decay": 0.1, "warmup": 8, "batch": 4}
 
 
 def tiny(depth: int = 2, num_tokens: int = NUM_TOKENS, **keywords) -> TransformerWrapper:
-    tie = keywords.pop("tie_embedding", False)
-    return TransformerWrapper(num_tokens=num_tokens, max_seq_len=16, tie_embedding=tie,
-                              attn_layers=Decoder(dim=32, depth=depth, heads=4, **keywords))
+    return tiny_lm(num_tokens=num_tokens, max_seq_len=16, depth=depth, **keywords)
 
 
 def optimizer_and_scheduler(model):
