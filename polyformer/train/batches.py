@@ -15,10 +15,18 @@ def batch_seed(seed: int, k: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:8], "big") >> 1
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def integer_at_least(name: str, value: object, minimum: int = 1) -> int:
+    """`value` if it is an int (not a bool) >= minimum, else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def checked_rank(rank: object, world_size: int) -> int:
+    """`rank` if it is an int in [0, world_size), else a ValueError."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+    return rank
 
 
 class Batches:
@@ -42,11 +50,10 @@ class Batches:
                 or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be a 1-d integer tensor, got "
                              f"{tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__}")
-        self.seq_len = _positive_int("seq_len", seq_len)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.world_size = _positive_int("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        self.seq_len = integer_at_least("seq_len", seq_len)
+        self.batch_size = integer_at_least("batch_size", batch_size)
+        self.world_size = integer_at_least("world_size", world_size)
+        checked_rank(rank, world_size)
         if batch_size % world_size:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of world_size ({world_size})")
         if tokens.numel() < seq_len + 1:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..encoder_decoder import XTransformer
 from ..wrappers import TransformerWrapper
+from .batches import checked_rank, integer_at_least
 
 
 class Objective(Protocol):
@@ -35,11 +36,6 @@ def _wrapper(model: nn.Module, objective: str, causal: bool) -> TransformerWrapp
     return model
 
 
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
 
 def _summed_ce(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=ignore_index, reduction="sum")
@@ -50,10 +46,8 @@ class _Drawn:
     rank::world_size, like `Batches`."""
 
     def __init__(self, generator: torch.Generator | None, rank: int, world_size: int):
-        self.world_size = _positive_int("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-        self.rank = rank
+        self.world_size = integer_at_least("world_size", world_size)
+        self.rank = checked_rank(rank, world_size)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
 
     def _mine(self, x: Tensor) -> Tensor:
@@ -106,8 +100,8 @@ class MaskedLanguageModeling(_Drawn):
                  mask_frac: float = 0.8, random_frac: float = 0.1, rank: int = 0, world_size: int = 1,
                  ignore_index: int = -100):
         super().__init__(generator, rank, world_size)
-        self.mask_id = _positive_int("mask_id", mask_id, minimum=0)
-        self.num_tokens = _positive_int("num_tokens", num_tokens)
+        self.mask_id = integer_at_least("mask_id", mask_id, minimum=0)
+        self.num_tokens = integer_at_least("num_tokens", num_tokens)
         if not 0 < prob < 1:
             raise ValueError(f"prob must be in (0, 1), got {prob}")
         if mask_frac < 0 or random_frac < 0 or mask_frac + random_frac > 1:
@@ -158,8 +152,8 @@ class PrefixLanguageModeling(_Drawn):
     def __init__(self, min_prefix: int, max_prefix: int, generator: torch.Generator | None = None,
                  rank: int = 0, world_size: int = 1, ignore_index: int = -100):
         super().__init__(generator, rank, world_size)
-        self.min_prefix = _positive_int("min_prefix", min_prefix, minimum=0)
-        self.max_prefix = _positive_int("max_prefix", max_prefix, minimum=0)
+        self.min_prefix = integer_at_least("min_prefix", min_prefix, minimum=0)
+        self.max_prefix = integer_at_least("max_prefix", max_prefix, minimum=0)
         if max_prefix < min_prefix:
             raise ValueError(f"max_prefix ({max_prefix}) must be >= min_prefix ({min_prefix})")
         self.ignore_index = ignore_index
@@ -205,8 +199,8 @@ class Seq2SeqTask(_Drawn):
         if kind not in SEQ2SEQ_KINDS:
             raise ValueError(f"unknown seq2seq task {kind!r}; expected one of {list(SEQ2SEQ_KINDS)}")
         self.kind = kind
-        self.num_tokens = _positive_int("num_tokens", num_tokens, minimum=2)
-        self.length = _positive_int("length", length)
+        self.num_tokens = integer_at_least("num_tokens", num_tokens, minimum=2)
+        self.length = integer_at_least("length", length)
 
     @property
     def bos(self) -> int:
@@ -230,7 +224,7 @@ class Seq2SeqTask(_Drawn):
     def sample(self, batch_size: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """(src (b, length), tgt (b, length + 1)) for this rank, b = batch_size // world_size;
         from `generator` if given (e.g. for evaluation), else the task's own."""
-        _positive_int("batch_size", batch_size)
+        integer_at_least("batch_size", batch_size)
         if batch_size % self.world_size:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of world_size ({self.world_size})")
         g = generator if generator is not None else self.generator
