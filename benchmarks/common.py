@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks: thread setup, warmup, alternating rounds across
-competitors, medians, and a writer for the JSON record and its markdown twin.
+competitors (undisturbed ones only, on a shared machine), medians, plots, and a writer for the JSON
+record and its markdown twin.
 
 Benchmarks are run by hand (`python -m benchmarks.<name>`), never as timed tests: wall-clock
 numbers depend on the machine and its load, so the record keeps the environment next to them.
@@ -67,23 +68,123 @@ def time_once(fn: Callable[[], Any]) -> tuple[float, float]:
             gc.enable()
 
 
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _warm_up(competitors: list[Competitor], warmup: int) -> None:
+    for c in competitors:
+        for _ in range(warmup):
+            c.run()
+
+
+def _rotated(competitors: list[Competitor], r: int) -> list[Competitor]:
+    """Round r's order: starting one further along the list each round."""
+    return competitors[r % len(competitors):] + competitors[:r % len(competitors)]
+
+
 def alternating_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1,
                        log: Callable[[str], None] | None = None) -> None:
     """Warm every competitor up, then run `repeats` rounds; each round times every competitor once,
     starting one further along the list each time, so drift in the machine's speed (thermal, other
     load) falls on all of them alike. Times are appended to each competitor's `seconds`."""
-    for c in competitors:
-        for _ in range(warmup):
-            c.run()
+    _warm_up(competitors, warmup)
     for r in range(repeats):
-        order = competitors[r % len(competitors):] + competitors[:r % len(competitors)]
-        for c in order:
+        for c in _rotated(competitors, r):
             wall, cpu = time_once(c.run)
             c.seconds.append(wall)
             c.cpu_seconds.append(cpu)
         if log is not None:
             log(f"round {r + 1}/{repeats}: " + ", ".join(
                 f"{c.name} {c.seconds[-1] / c.units * 1e3:.2f} ms" for c in competitors))
+
+
+# --- a shared machine -------------------------------------------------------------------------
+
+QUIET = 0.25          # CPUs' worth of other processes' work during a round that disturbs it
+
+
+class OthersMeter:
+    """CPU seconds the rest of the machine spent (every CPU's busy and stolen time, from /proc/stat,
+    minus this process's and its waited-for children's) since `start()`."""
+
+    hz = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _machine() -> float:
+        try:
+            with open("/proc/stat") as fh:
+                fields = [int(v) for v in fh.readline().split()[1:]]
+        except OSError:
+            return float("nan")
+        return (sum(fields[:8]) - fields[3] - fields[4]) / OthersMeter.hz   # not idle, not iowait
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(self) -> "OthersMeter":
+        self.machine, self.own, self.wall = self._machine(), self._own(), time.perf_counter()
+        return self
+
+    def cpus(self) -> float:
+        """Average number of CPUs other processes kept busy since start()."""
+        others = (self._machine() - self.machine) - (self._own() - self.own)
+        return max(0.0, others) / max(1e-9, time.perf_counter() - self.wall)
+
+
+def others_cpus(sample: float = 2.0) -> float:
+    """CPUs other processes keep busy over `sample` seconds while this one sleeps (the load average
+    lags by a minute; this does not)."""
+    meter = OthersMeter().start()
+    time.sleep(sample)
+    return meter.cpus()
+
+
+def wait_for_quiet(max_wait: float = 120.0, sample: float = 2.0) -> float:
+    """Sleep until other processes use under QUIET CPUs over a `sample`-second window, or max_wait
+    passes; return the last reading."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy = others_cpus(sample)
+        if busy < QUIET or time.monotonic() > deadline:
+            return busy
+        log(f"  machine busy ({busy:.2f} CPUs used by other processes); waiting ...")
+
+
+def quiet_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1, max_rounds: int | None = None
+                 ) -> list[dict[str, Any]]:
+    """`alternating_rounds`, on a shared machine: each timed call also records how many CPUs
+    other processes used meanwhile; a round where that passed QUIET anywhere is disturbed, and
+    rounds go on (waiting for quiet after a disturbed one) until `repeats` undisturbed rounds or
+    `max_rounds` (default 3 * repeats). Each competitor's `seconds` / `cpu_seconds` then hold the
+    undisturbed rounds only (all rounds if none was). Returns the log of every round."""
+    max_rounds = max_rounds or 3 * repeats
+    _warm_up(competitors, warmup)
+    rounds: list[dict[str, Any]] = []
+    r = 0
+    while sum(x["quiet"] for x in rounds) < repeats and r < max_rounds:
+        if rounds and not rounds[-1]["quiet"]:
+            wait_for_quiet()
+        entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
+        for c in _rotated(competitors, r):
+            meter = OthersMeter().start()
+            wall, cpu = time_once(c.run)
+            entry["seconds"][c.name], entry["cpu_seconds"][c.name] = wall, cpu
+            entry["others_cpus"][c.name] = meter.cpus()
+        entry["quiet"] = max(entry["others_cpus"].values()) < QUIET
+        rounds.append(entry)
+        r += 1
+        log(f"round {r} ({'quiet' if entry['quiet'] else 'DISTURBED'}): " + ", ".join(
+            f"{c.name} {entry['seconds'][c.name]:.3f} s" + ("" if entry["others_cpus"][c.name] < QUIET else
+                                                           f" (others {entry['others_cpus'][c.name]:.1f} CPUs)")
+            for c in competitors))
+    use = [x for x in rounds if x["quiet"]] or rounds
+    for c in competitors:
+        c.seconds = [x["seconds"][c.name] for x in use]
+        c.cpu_seconds = [x["cpu_seconds"][c.name] for x in use]
+    return rounds
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -150,3 +251,23 @@ def write_report(json_path: str | Path, record: dict[str, Any], markdown: str) -
     md_path = json_path.with_suffix(".md")
     md_path.write_text(markdown.rstrip() + "\n")
     return json_path, md_path
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (imported late: plotting is optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out_dir: Path, name: str) -> list[str]:
+    """Lay out, write `out_dir/name` and close `fig`; the file names for a record's "plots"."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return [name]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -33,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Competitor, markdown_table, spread
-from .training import batch, quiet_rounds, train_step
+from .common import Competitor, log, markdown_table, pyplot, quiet_rounds, save_figure, spread
+from .training import batch, train_step
 
 VOCAB, DIM, DEPTH, HEADS, SEQ, BATCH = 256, 256, 4, 4, 256, 4
 
@@ -67,10 +66,6 @@ FEATURES: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("ff_relu_squared", {"ff_relu_squared": True}, {}),
     ("gradient_checkpointing", {"gradient_checkpointing": True}, {}),
 )
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build(decoder: dict[str, Any], wrapper: dict[str, Any], seq: int = SEQ, seed: int = 0) -> nn.Module:
@@ -212,10 +207,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [(label, r) for label, r in record["features"].items() if "time_ratio" in r]
     fig, ax = plt.subplots(figsize=(10, 5.5))
@@ -229,8 +221,4 @@ def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
     ax.set_xlabel("relative to the plain decoder (1.0)")
     ax.legend()
     ax.set_title(f"polyformer feature cost, training step seq {record['config']['seq']} batch {record['config']['batch']}")
-    fig.tight_layout()
-    path = out_dir / "features.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_figure(fig, out_dir, "features.png")

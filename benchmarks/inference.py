@@ -23,18 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import markdown_table
-from .training import QUIET, OthersMeter, wait_for_quiet
+from .common import QUIET, OthersMeter, log, markdown_table, pyplot, save_figure, wait_for_quiet
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 LIBRARIES = ("polyformer", "x-transformers", "x-transformers flash", "HF GPT-2")
 LIMIT_GIB = 12.0
 TIMEOUT = 1800
 RETRIES = 2           # a run other processes disturbed is run again, at most this many times
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def schedule(length: int, quick: bool) -> tuple[int, int]:
@@ -196,10 +191,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for lib in LIBRARIES:
@@ -234,8 +226,4 @@ def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
         axes[1].set_ylim(min(measured) / 1.5, max(measured) * 3)
     axes[1].legend(fontsize=8)
     fig.suptitle(f"Inference forward, float32, {record['threads']} threads, dim 512 depth 6 heads 8")
-    fig.tight_layout()
-    path = out_dir / "inference.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_figure(fig, out_dir, "inference.png")

@@ -30,47 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import environment, markdown_table, set_threads
+from .common import environment, log, markdown_table, others_cpus, set_threads, wait_for_quiet
 
 SUITES = ("training", "inference", "features", "generation")
 PACKAGES = ["torch", "polyformer", "x-transformers", "transformers", "einops", "entmax", "matplotlib"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def busy_cpus(seconds: float = 2.0) -> float:
-    """CPUs' worth of work done on the machine over `seconds` while this process sleeps: 0 when
-    the machine is quiet (the load average lags by a minute, this does not)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        idle = fields[3] + fields[4]
-        return sum(fields) - idle, sum(fields)
-    try:
-        b0, t0 = sample()
-        time.sleep(seconds)
-        b1, t1 = sample()
-    except OSError:
-        return float("nan")
-    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1)
-
-
-def wait_until_quiet(max_wait: float, threshold: float = 0.3) -> float:
-    """Wait (up to max_wait seconds) until other processes use under `threshold` CPUs; return the
-    last reading."""
-    deadline = time.monotonic() + max_wait
-    busy = busy_cpus()
-    while busy > threshold and time.monotonic() < deadline:
-        log(f"machine busy ({busy:.2f} CPUs in use by other processes); waiting ...")
-        time.sleep(10)
-        busy = busy_cpus()
-    return busy
-
-
 def conditions(args: argparse.Namespace) -> dict[str, Any]:
-    busy = wait_until_quiet(args.wait_quiet) if args.wait_quiet else busy_cpus()
+    busy = wait_for_quiet(args.wait_quiet) if args.wait_quiet else others_cpus()
     return {"busy_cpus_before": busy, "load_average_before": list(os.getloadavg())}
 
 

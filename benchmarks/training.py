@@ -23,7 +23,6 @@ products measured in the same run with the same threads (`matmul_peak`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -35,102 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import Competitor, markdown_table, spread, time_once
+from .common import (QUIET, Competitor, OthersMeter, log, markdown_table, pyplot, quiet_rounds, save_figure,
+                     spread, wait_for_quiet)
 
 VOCAB, DIM, DEPTH, HEADS = 256, 512, 6, 8
 SHAPES = ((512, 8), (1024, 4))               # (seq, batch)
 LIBRARIES = ("polyformer", "x-transformers", "x-transformers flash", "HF GPT-2")
 TARGETS = {"x-transformers flash": 1.1, "x-transformers": 1.5, "HF GPT-2": 1.35}
 MFU_TARGET = 0.65
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# --- a shared machine -------------------------------------------------------------------------
-
-QUIET = 0.25          # CPUs' worth of other processes' work during a round that disturbs it
-
-
-class OthersMeter:
-    """CPU seconds the rest of the machine spent (every CPU's busy and stolen time, from /proc/stat,
-    minus this process's and its waited-for children's) since `start()`."""
-
-    hz = os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _machine() -> float:
-        try:
-            with open("/proc/stat") as fh:
-                fields = [int(v) for v in fh.readline().split()[1:]]
-        except OSError:
-            return float("nan")
-        return (sum(fields[:8]) - fields[3] - fields[4]) / OthersMeter.hz   # not idle, not iowait
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
-    def start(self) -> "OthersMeter":
-        self.machine, self.own, self.wall = self._machine(), self._own(), time.perf_counter()
-        return self
-
-    def cpus(self) -> float:
-        """Average number of CPUs other processes kept busy since start()."""
-        others = (self._machine() - self.machine) - (self._own() - self.own)
-        return max(0.0, others) / max(1e-9, time.perf_counter() - self.wall)
-
-
-def wait_for_quiet(max_wait: float = 120.0, sample: float = 2.0) -> float:
-    """Sleep until other processes use under QUIET CPUs over a `sample`-second window, or max_wait
-    passes; return the last reading."""
-    deadline = time.monotonic() + max_wait
-    while True:
-        meter = OthersMeter().start()
-        time.sleep(sample)
-        busy = meter.cpus()
-        if busy < QUIET or time.monotonic() > deadline:
-            return busy
-        log(f"  machine busy ({busy:.2f} CPUs used by other processes); waiting ...")
-
-
-def quiet_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1, max_rounds: int | None = None
-                 ) -> list[dict[str, Any]]:
-    """`common.alternating_rounds`, on a shared machine: each timed call also records how many CPUs
-    other processes used meanwhile; a round where that passed QUIET anywhere is disturbed, and
-    rounds go on (waiting for quiet after a disturbed one) until `repeats` undisturbed rounds or
-    `max_rounds` (default 3 * repeats). Each competitor's `seconds` / `cpu_seconds` then hold the
-    undisturbed rounds only (all rounds if none was). Returns the log of every round."""
-    max_rounds = max_rounds or 3 * repeats
-    for c in competitors:
-        for _ in range(warmup):
-            c.run()
-    rounds: list[dict[str, Any]] = []
-    r = 0
-    while sum(x["quiet"] for x in rounds) < repeats and r < max_rounds:
-        if rounds and not rounds[-1]["quiet"]:
-            wait_for_quiet()
-        order = competitors[r % len(competitors):] + competitors[:r % len(competitors)]
-        entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
-        for c in order:
-            meter = OthersMeter().start()
-            wall, cpu = time_once(c.run)
-            entry["seconds"][c.name], entry["cpu_seconds"][c.name] = wall, cpu
-            entry["others_cpus"][c.name] = meter.cpus()
-        entry["quiet"] = max(entry["others_cpus"].values()) < QUIET
-        rounds.append(entry)
-        r += 1
-        log(f"round {r} ({'quiet' if entry['quiet'] else 'DISTURBED'}): " + ", ".join(
-            f"{c.name} {entry['seconds'][c.name]:.3f} s" + ("" if entry["others_cpus"][c.name] < QUIET else
-                                                           f" (others {entry['others_cpus'][c.name]:.1f} CPUs)")
-            for c in competitors))
-    use = [x for x in rounds if x["quiet"]] or rounds
-    for c in competitors:
-        c.seconds = [x["seconds"][c.name] for x in use]
-        c.cpu_seconds = [x["cpu_seconds"][c.name] for x in use]
-    return rounds
 
 
 # --- the models -------------------------------------------------------------------------------
@@ -426,11 +337,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shapes = list(record["shapes"].values())
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.8 / len(LIBRARIES)
@@ -446,11 +353,7 @@ def plots(record: dict[str, Any], out_dir: Path) -> list[str]:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Training step, float32, dim {DIM} depth {DEPTH} heads {HEADS}, "
                  f"{record['config']['threads']} threads")
-    fig.tight_layout()
-    path = out_dir / "training.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_figure(fig, out_dir, "training.png")
 
 
 def to_json(record: dict[str, Any]) -> dict[str, Any]:
