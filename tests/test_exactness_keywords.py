@@ -75,11 +75,18 @@ def test_qkv_bias_zero_equals_no_bias_and_nonzero_changes_output(layers):
 
 
 def test_qkv_bias_covers_cross_attention_projections():
-    stack = Decoder(dim=DIM, depth=1, heads=2, cross_attend=True, attn_qkv_bias=True)
-    cross = next(b.branch for b in stack.blocks if b.kind == "c")
-    assert cross.project.to_q.bias is not None and cross.project.to_kv.bias is not None
-    plain = Decoder(dim=DIM, depth=1, heads=2, cross_attend=True)
-    assert next(b.branch for b in plain.blocks if b.kind == "c").project.to_q.bias is None
+    torch.manual_seed(0)
+    plain = perturb(Decoder(dim=DIM, depth=1, heads=2, cross_attend=True)).eval()
+    biased = Decoder(dim=DIM, depth=1, heads=2, cross_attend=True, attn_qkv_bias=True).eval()
+    missing, unexpected = biased.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and {name.split(".")[-2] for name in missing} == {"to_qkv", "to_q", "to_kv"}
+    for name in missing:
+        biased.get_parameter(name).data.zero_()
+    x, context = torch.randn(2, 5, DIM), torch.randn(2, 3, DIM)
+    torch.testing.assert_close(biased(x, context=context), plain(x, context=context), atol=1e-6, rtol=1e-6)
+    with torch.no_grad():                   # a bias on the keys / values of the context changes the output
+        next(b.branch for b in biased.blocks if b.kind == "c").project.to_kv.bias.normal_()
+    assert not torch.allclose(biased(x, context=context), plain(x, context=context), atol=1e-3)
 
 
 def test_out_bias_adds_a_constant_to_the_attention_output():

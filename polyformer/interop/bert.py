@@ -8,7 +8,7 @@ from typing import Any
 
 from ..stack import Encoder
 from ..wrappers import TransformerWrapper
-from .family import Family, Link, Unsupported, activation, activation_name, ff_mult, inner_dim
+from .family import Family, Link, Unsupported, activation, activation_name, ff_mult, inner_dim, layer_names
 
 DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
             "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512, "type_vocab_size": 2,
@@ -43,8 +43,7 @@ def links(c: dict[str, Any]) -> list[Link]:
            Link("post_emb_norm.bias", ("embeddings.LayerNorm.bias",))]
     if c["type_vocab_size"]:
         out.append(Link("embeds.token_type.weight", ("embeddings.token_type_embeddings.weight",)))
-    for i in range(c["num_hidden_layers"]):
-        a, f, h = f"attn_layers.blocks.{2 * i}", f"attn_layers.blocks.{2 * i + 1}", f"encoder.layer.{i}"
+    for a, f, h in layer_names(c["num_hidden_layers"], "encoder.layer"):
         for kind in ("weight", "bias"):
             out += [Link(f"{a}.branch.project.to_qkv.{kind}",
                          tuple(f"{h}.attention.self.{p}.{kind}" for p in ("query", "key", "value")), sizes=(dim,) * 3),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -111,3 +111,20 @@ def activation(name: str, family: str, key: str) -> dict[str, Any]:
 def activation_name(model: TransformerWrapper) -> str:
     return {"gelu": "gelu", "gelu_tanh": "gelu_new", "swish": "silu"}.get(model.attn_layers.cfg.ff.activation,
                                                                           model.attn_layers.cfg.ff.activation)
+
+
+def layer_names(depth: int, theirs: str) -> Iterator[tuple[str, str, str]]:
+    """For each layer i: our attention block's name, our feedforward block's name (the stack alternates
+    them) and the Hugging Face layer's name `theirs.i`."""
+    for i in range(depth):
+        yield f"attn_layers.blocks.{2 * i}", f"attn_layers.blocks.{2 * i + 1}", f"{theirs}.{i}"
+
+
+def head_keywords(c: dict[str, Any]) -> dict[str, Any]:
+    """The wrapper keywords of the LM head: tied to the token embedding, or a bias-free `lm_head`."""
+    return {"tie_embedding": True} if c["tie_word_embeddings"] else {"tie_embedding": False, "logits_bias": False}
+
+
+def head_links(c: dict[str, Any]) -> list[Link]:
+    """The untied LM head (outside the base model's prefix); none when it is tied."""
+    return [] if c["tie_word_embeddings"] else [Link("to_logits.weight", ("lm_head.weight",), absolute=True)]

@@ -8,7 +8,8 @@ from typing import Any
 
 from ..stack import Decoder
 from ..wrappers import TransformerWrapper
-from .family import Family, Link, Unsupported, activation, activation_name, ff_mult, inner_dim
+from .family import (Family, Link, Unsupported, activation, activation_name, ff_mult, head_keywords, head_links,
+                     inner_dim, layer_names)
 
 DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
@@ -30,17 +31,13 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
                   attn_out_bias=True, ff_mult=ff_mult(c["n_inner"] or 4 * dim, dim),
                   norm_eps=float(c["layer_norm_epsilon"]),
                   **activation(c["activation_function"], "gpt2", "activation_function"))
-    tied = bool(c["tie_word_embeddings"])
-    wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["n_positions"], use_abs_pos_emb=True, tie_embedding=tied)
-    if not tied:
-        wrap["logits_bias"] = False
+    wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["n_positions"], use_abs_pos_emb=True, **head_keywords(c))
     return Decoder, layers, wrap
 
 
 def links(c: dict[str, Any]) -> list[Link]:
     out = [Link("token_emb.weight", ("wte.weight",)), Link("pos_emb.emb.weight", ("wpe.weight",))]
-    for i in range(c["n_layer"]):
-        a, f, h = f"attn_layers.blocks.{2 * i}", f"attn_layers.blocks.{2 * i + 1}", f"h.{i}"
+    for a, f, h in layer_names(c["n_layer"], "h"):
         for kind in ("weight", "bias"):
             t = kind == "weight"          # Conv1D weights are (in, out)
             out += [Link(f"{a}.norm_in.{kind}", (f"{h}.ln_1.{kind}",)),
@@ -50,9 +47,7 @@ def links(c: dict[str, Any]) -> list[Link]:
                     Link(f"{f}.branch.proj_in.{kind}", (f"{h}.mlp.c_fc.{kind}",), transpose=t),
                     Link(f"{f}.branch.proj_out.{kind}", (f"{h}.mlp.c_proj.{kind}",), transpose=t)]
     out += [Link(f"attn_layers.final_norm.{kind}", (f"ln_f.{kind}",)) for kind in ("weight", "bias")]
-    if not c["tie_word_embeddings"]:
-        out.append(Link("to_logits.weight", ("lm_head.weight",), absolute=True))
-    return out
+    return out + head_links(c)
 
 
 def config_of(model: TransformerWrapper) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from ..wrappers import TransformerWrapper
 from .families import FAMILIES, SUPPORTED, family_of
 from .family import Family
-from .hf_write import hf_config_dict, save_hf, to_hf
+from .hf_write import CONFIG, TOKENIZER, WEIGHTS, hf_config_dict, save_hf, to_hf
 
-CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
+INDEX = "model.safetensors.index.json"
 
 
 # ---- Hugging Face -> polyformer ------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..stack import Decoder
 from ..wrappers import TransformerWrapper
-from .family import Family, Link, Unsupported, activation, ff_mult, inner_dim
+from .family import Family, Link, Unsupported, activation, ff_mult, head_keywords, head_links, inner_dim, layer_names
 
 DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
@@ -44,10 +44,7 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
         layers["ff_no_bias"] = True
     if c["attention_bias"]:
         layers.update(attn_qkv_bias=True, attn_out_bias=True)
-    tied = bool(c["tie_word_embeddings"])
-    wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"], tie_embedding=tied)
-    if not tied:
-        wrap["logits_bias"] = False
+    wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"], **head_keywords(c))
     return Decoder, layers, wrap
 
 
@@ -59,8 +56,7 @@ def links(c: dict[str, Any]) -> list[Link]:
     kinds = ("weight", "bias") if c["attention_bias"] else ("weight",)
     ff_kinds = ("weight", "bias") if c["mlp_bias"] else ("weight",)
     out = [Link("token_emb.weight", ("embed_tokens.weight",))]
-    for i in range(c["num_hidden_layers"]):
-        a, f, h = f"attn_layers.blocks.{2 * i}", f"attn_layers.blocks.{2 * i + 1}", f"layers.{i}"
+    for a, f, h in layer_names(c["num_hidden_layers"], "layers"):
         out += [Link(f"{a}.norm_in.weight", (f"{h}.input_layernorm.weight",)),
                 Link(f"{f}.norm_in.weight", (f"{h}.post_attention_layernorm.weight",))]
         for kind in kinds:
@@ -72,9 +68,7 @@ def links(c: dict[str, Any]) -> list[Link]:
                          sizes=(inner, inner)),
                     Link(f"{f}.branch.proj_out.{kind}", (f"{h}.mlp.down_proj.{kind}",))]
     out.append(Link("attn_layers.final_norm.weight", ("norm.weight",)))
-    if not c["tie_word_embeddings"]:
-        out.append(Link("to_logits.weight", ("lm_head.weight",), absolute=True))
-    return out
+    return out + head_links(c)
 
 
 def config_of(model: TransformerWrapper) -> dict[str, Any]:

@@ -138,4 +138,5 @@ def test_save_hf_refuses_a_non_empty_directory(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty"):
         save_hf(from_hf(gpt2()), tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
