@@ -3,7 +3,9 @@ checkpoints always written as full, unsharded state dicts by rank 0."""
 
 from __future__ import annotations
 
+import gc
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -21,10 +23,27 @@ def join() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+def leave(finished: bool) -> None:
+    """Leave the process group at the end of a run. The sharded model's hooks form reference cycles
+    that would otherwise be freed during interpreter shutdown, after the group is gone, and gloo
+    aborts the process then ("terminate called without an active exception"). So collect them
+    first, and on a clean finish wait for every rank before tearing the group down."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def shard(model: nn.Module) -> nn.Module:
     """FSDP2: every block of every stack is its own shard unit, then the model itself."""
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP2 warns when the root returns a view (any 3-d nn.Linear output is one); the objectives
+    # only read the logits (cross-entropy, no in-place change), so the warning is noise here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for stack in (m for m in model.modules() if isinstance(m, AttentionLayers)):
         for block in stack.blocks:
             fully_shard(block)

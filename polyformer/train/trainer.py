@@ -24,7 +24,7 @@ from ..generate.decode import AutoregressiveWrapper
 from ..generate.sampling import top_k, top_p
 from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from .distributed import Gathered, join, shard
+from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
 from .run import CONFIG, load_run_config, run_config, save_run_config
@@ -62,11 +62,13 @@ def say(rank: int, text: str) -> None:
 def train(out: str, preset: str | None = None, config_file: str | None = None,
           overrides: list[tuple[str, str]] | None = None, resume: bool = False) -> int:
     rank, world = join()
+    finished = False
     try:
-        return _train(Path(out), preset, config_file, overrides or [], resume, rank, world)
+        code = _train(Path(out), preset, config_file, overrides or [], resume, rank, world)
+        finished = True
+        return code
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave(finished)
 
 
 def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
