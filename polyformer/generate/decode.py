@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
+from .fast import fast_step
 from .sampling import Sampler
 
 
@@ -189,7 +190,7 @@ class AutoregressiveWrapper(nn.Module):
             self._compiled[name] = torch.compile(self.net, backend=name)
         return self._compiled[name]
 
-    def _feed(self, x: Tensor, state: DecodeState, net: nn.Module | None = None, **kwargs) -> Tensor:
+    def _feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
         """Run new tokens against the state; slide the window first when a relative-position
         model's state is full."""
         room = state.max_len - state.length
@@ -204,7 +205,8 @@ class AutoregressiveWrapper(nn.Module):
     def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
                 context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None):
         """Yields next-token logits (b, v); is sent each chosen token. The one-token steps run
-        through `step_net` (a compiled net) when given."""
+        through `step_net` (a compiled net) when given, else through the fast step
+        (`generate.fast`) when it covers the model."""
         b, n = prompts.shape
         if state is None:
             length = n + seq_len
@@ -213,6 +215,8 @@ class AutoregressiveWrapper(nn.Module):
             state = self.net.new_state(b, length)
         pos = left_padded_positions(mask) if state.length == 0 else None
         logits = self._feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
+        if step_net is None:            # the same logits without the module tree's per-token costs
+            step_net = fast_step(self.net)
         while True:
             token = yield logits
             logits = self._feed(token[:, None], state, step_net, context=context, context_mask=context_mask)[:, -1]

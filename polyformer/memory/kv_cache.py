@@ -75,11 +75,18 @@ class DecodeState:
 
     def attend(self, layer: int, kv: KV) -> KV:
         """Write this step's keys / values of `layer`, return every cached key so far."""
-        start, end = self.length, self.length + self.pending
-        self.k[layer, :, :, start:end] = kv.k
-        self.v[layer, :, :, start:end] = kv.v
-        return KV(k=self.k[layer, :, :, :end], v=self.v[layer, :, :, :end], pos=self.pos[:, :end],
-                  mask=self.mask[:, :end] if self.padded else None)
+        end = self.length + self.pending
+        k, v = self.write(layer, kv.k, kv.v)
+        return KV(k=k, v=v, pos=self.pos[:, :end], mask=self.mask[:, :end] if self.padded else None)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this step's keys k (b, hk, n, d) and values v of `layer` in place; return all the
+        layer's keys and values so far, (b, hk, length + n, d) views of the storage."""
+        end = self.length + self.pending
+        keys, values = self.k[layer], self.v[layer]
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
     def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
         """Record block's inputs h (b, n, dim) for this step; return them preceded by up to `reach`

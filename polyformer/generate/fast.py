@@ -1,0 +1,201 @@
+"""The one-token decode step as a flat loop over the blocks, for the decoders most people run.
+
+A cached step through the module tree (`net(token, state=state)`) pays for generality on every
+token: argument checks, a `Context`, a `Block` per sublayer, the keep-mask memo, `KV` records.
+At batch 1 on a CPU that is about a millisecond per token for a six-layer model, as much as the
+arithmetic of a small one. `FastStep` runs the same operations in the same order, calling the same
+modules (norms, projections, activations, rotary, the decode state), without the machinery, so its
+logits are bit-identical to the module path's (tests/generate/test_fast.py checks it across the
+supported options, left-padded batches included).
+
+It covers stacks of self-attention and feedforward blocks with any norm placement and residual,
+any norm, activation or GLU, absolute or rotary positions, MQA / GQA, projection biases, tied or
+untied heads, and quantized or re-laid-out linear layers. Anything else (cross-attention, score
+biases, memory key / values, token shift, talking heads, residual attention, memory tokens,
+hooks on a module, training mode) makes `FastStep.unsupported(net)` name the reason, and
+generation keeps the module path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
+
+from .. import checks
+from ..attention.kernels.dense import DenseKernel
+from ..embedding import LearnedPositions
+from ..feedforward import FeedForward
+from ..norm import LayerNorm
+from ..memory.kv_cache import DecodeState
+from ..residual import Add
+from ..wrappers import TransformerWrapper
+
+
+def _hooked(model: nn.Module) -> bool:
+    if any(getattr(module_hooks, name, None) for name in
+           ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called")):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _call(module: nn.Module | None) -> Callable[[Tensor], Tensor] | None:
+    """A callable equal to `module(x)` without nn.Module's call machinery (hooks are refused
+    beforehand): F.linear / F.layer_norm over the module's own tensors for the common types, its
+    `forward` otherwise. Made per generate call, so the tensors are the module's current ones."""
+    if module is None:
+        return None
+    if type(module) is nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    if type(module) is LayerNorm:
+        shape, weight, bias, eps, forward = module.normalized_shape, module.weight, module.bias, module.eps, module.forward
+        return lambda x: F.layer_norm(x, shape, weight, bias, eps) if x.dtype == torch.float32 else forward(x)
+    return module.forward
+
+
+class _Block:
+    """One block's stages, resolved to callables."""
+
+    def __init__(self, block: nn.Module):
+        self.attention = block.kind == "a"
+        self.norm_in, self.norm_out, self.post_norm = _call(block.norm_in), _call(block.norm_out), _call(block.post_norm)
+        self.scale = block.scale
+        self.combine = None if type(block.combine) is Add else block.combine.forward
+        branch = block.branch
+        if self.attention:
+            project, output = branch.project, branch.output
+            self.qkv, self.split = _call(project.to_qkv), project.split
+            self.heads = (project.heads, project.kv_heads, project.v_heads)
+            self.position = branch.position.forward if branch.position is not None else None
+            self.layer, self.scale_qk = branch.layer, branch.kernel.scale
+            plain = output.gate is None and not output.on_attn
+            self.merged_out = _call(output.proj) if plain else None      # merge heads, then project
+            self.output = output.forward
+        else:
+            self.proj_in, self.act, self.proj_out = _call(branch.proj_in), _call(branch.act), _call(branch.proj_out)
+            self.glu = branch.glu
+
+    def __call__(self, x: Tensor, pos: Tensor, state: DecodeState, padding: Tensor | None) -> Tensor:
+        h = self.norm_in(x) if self.norm_in is not None else x
+        if self.attention:
+            q, k, v = self.qkv(h).split(self.split, dim=-1)
+            b = q.shape[0]
+            heads, kv_heads, v_heads = self.heads
+            q = q.view(b, 1, heads, -1).transpose(1, 2)
+            k = k.view(b, 1, kv_heads, -1).transpose(1, 2)
+            v = v.view(b, 1, v_heads, -1).transpose(1, 2)
+            if self.position is not None:
+                q, k = self.position(q, k, pos, pos)
+            keys, values = state.write(self.layer, k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=padding, scale=self.scale_qk,
+                                                 enable_gqa=kv_heads != heads)
+            if self.merged_out is not None:
+                y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
+            else:
+                y = self.output(out, h)
+        else:                                   # FeedForward.forward in eval mode (dropout is the identity)
+            h = self.proj_in(h)
+            if self.glu:
+                h, gate = h.chunk(2, dim=-1)
+                h = h * self.act(gate)
+            else:
+                h = self.act(h)
+            y = self.proj_out(h)
+        if self.scale != 1.0:
+            y = y * self.scale
+        if self.norm_out is not None:
+            y = self.norm_out(y)
+        x = x + y if self.combine is None else self.combine(x, y)
+        if self.post_norm is not None:
+            x = self.post_norm(x)
+        return x
+
+
+class FastStep:
+    """`step(token (b, 1), state=state)` -> logits (b, 1, v), equal to `net(token, state=state)` for
+    a net that `unsupported` accepts, on a state that already holds the prompt. Build one per
+    generate call: it holds the modules' tensors as they are when it is made."""
+
+    def __init__(self, net: TransformerWrapper):
+        reason = self.unsupported(net)
+        if reason is not None:
+            raise ValueError(f"net: the fast decode step does not cover this model: {reason}")
+        self.net = net
+        stack = net.attn_layers
+        self.blocks = [_Block(block) for block in stack.blocks]
+        self.final_norm = _call(stack.final_norm)
+        self.num_layers = stack.num_self_attn
+        self.embed, self.pos_emb, self.post_emb_norm = _call(net.token_emb), _call(net.pos_emb), _call(net.post_emb_norm)
+        self.bounded = isinstance(net.pos_emb, LearnedPositions)
+        self.head = _call(net.to_logits) if net.to_logits is not None else net.head
+
+    @staticmethod
+    def unsupported(net: nn.Module) -> str | None:
+        """Why the fast step cannot run `net` exactly, or None when it can."""
+        if type(net) is not TransformerWrapper:
+            return f"{type(net).__name__} (only TransformerWrapper)"
+        if net.training:
+            return "training mode (dropout)"
+        if net.project_emb is not None or net.embeds is not None or net.memory_tokens is not None:
+            return "emb_dim, extra embeddings or memory tokens"
+        if net.max_mem_len:
+            return "XL memories (max_mem_len)"
+        stack = net.attn_layers
+        if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):
+            return "cross-attention"
+        for block in stack.blocks:
+            if block.shift is not None:
+                return "token shift"
+            if block.kind == "f" and type(block.branch) is not FeedForward:
+                return f"a feedforward of type {type(block.branch).__name__}"
+            if block.kind == "a":
+                attn = block.branch
+                if type(attn.kernel) is not DenseKernel or not attn.kernel.can_fuse:
+                    return "an attention kernel without the fused path (talking heads, top-k, entmax, ...)"
+                if attn.memory_kv is not None or attn._bias:
+                    return "memory key / values or a score bias (T5, ALiBi)"
+                if attn.project.infusion is not None or attn.project.mixing is not None:
+                    return "position-infused or collaborative heads"
+        if _hooked(net):
+            return "a forward hook on a module"
+        return None
+
+    def __call__(self, x: Tensor, *, state: DecodeState, context: Tensor | None = None,
+                 context_mask: Tensor | None = None) -> Tensor:
+        if context is not None or context_mask is not None:
+            raise ValueError("context: the model has no cross-attention")
+        net = self.net
+        b = x.shape[0]
+        if x.shape[1] != 1 or state.length == 0 or state.batch != b or state.k.shape[0] != self.num_layers:
+            raise ValueError(f"the fast step takes one new token per row of a state holding the prompt; got x "
+                             f"{tuple(x.shape)} for a state of batch {state.batch} holding {state.length}")
+        if state.length + 1 > state.max_len:
+            raise ValueError(f"state has room for {state.max_len} positions; {state.length} are used and "
+                             "x adds 1")
+        checks.token_ids(x, net.num_tokens)
+        pos = state.pos[:, state.length - 1: state.length] + 1            # (b, 1): after each row's last
+        if self.bounded and int(pos.max()) + 1 > net.max_seq_len:
+            raise ValueError(f"x needs {int(pos.max()) + 1} positions but max_seq_len={net.max_seq_len} and the "
+                             "learned absolute positions cannot go beyond it")
+        h = self.embed(x)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(pos).to(h.dtype)
+        if self.post_emb_norm is not None:
+            h = self.post_emb_norm(h)
+        state.begin(pos, None)
+        padding = state.mask[:, None, None, : state.length + 1] if state.padded else None
+        for block in self.blocks:
+            h = block(h, pos, state, padding)
+        state.commit()
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return self.head(h)
+
+
+def fast_step(net: nn.Module) -> FastStep | None:
+    """A `FastStep` for `net`, or None when it needs the module path."""
+    return FastStep(net) if FastStep.unsupported(net) is None else None

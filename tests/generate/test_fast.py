@@ -1,0 +1,152 @@
+"""The fast decode step (`generate.fast.FastStep`): bit-identical to the module path's cached step
+for every option it accepts, refused (with the reason) for the others, used by `generate`."""
+
+import pytest
+import torch
+
+from polyformer import AutoregressiveWrapper, quantize_int8
+from polyformer.generate.fast import FastStep, fast_step
+from tests.helpers import ids, tiny_lm
+from tests.options import DECODER_OPTIONS, perturb
+
+EXTRA = {
+    "gqa_rotary_rms_swiglu": dict(attn_kv_heads=2, rotary_pos_emb=True, use_rmsnorm=True, ff_glu=True,
+                                  ff_swish=True, ff_no_bias=True, logits_bias=False),
+    "gpt2_like": dict(attn_qkv_bias=True, attn_out_bias=True, ff_gelu_tanh=True, tie_embedding=True),
+    "post_emb_norm": dict(post_emb_norm=True, pre_norm=False),
+    "rotary_xpos_free_interleaved": dict(rotary_pos_emb=True, rotary_interleaved=True, attn_kv_heads=1),
+}
+OPTIONS = {**DECODER_OPTIONS, **EXTRA}
+
+# what the fast step must keep covering (the common decoders); everything else may fall back
+COVERED = {"default", "rotary_pos_emb", "rotary_partial_interleaved", "scaled_sinu_pos_emb", "no_abs_pos_emb",
+           "use_scalenorm", "use_rmsnorm", "use_rezero", "ff_glu", "ff_relu_squared", "attn_on_attn",
+           "gate_values", "attn_kv_heads", "attn_one_kv_head", "sandwich_coef", "macaron", "gate_residual",
+           "sandwich_norm", "gradient_checkpointing", "tie_embedding", *EXTRA}
+
+
+def model_with(name, **extra):
+    torch.manual_seed(0)
+    keywords = {**OPTIONS[name], **extra}
+    wrapper = {k: keywords.pop(k) for k in ("logits_bias", "post_emb_norm") if k in keywords}
+    model = tiny_lm(**keywords)
+    if wrapper:                              # wrapper keywords tiny_lm does not route: rebuild with them
+        from polyformer import TransformerWrapper
+        model = TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=model.attn_layers,
+                                   tie_embedding=model.tie_embedding, **wrapper).eval()
+    return perturb(model, scale=0.05)
+
+
+def prefilled(model, x, mask):
+    """A decode state holding the left-padded prompts x."""
+    state = model.new_state(x.shape[0], 24)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(x, mask=mask, pos=pos, state=state)
+    return state
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_fast_step_is_bit_identical_to_the_module_path_or_names_why_not(name):
+    model = model_with(name)
+    reason = FastStep.unsupported(model)
+    if name in COVERED:
+        assert reason is None, f"{name}: {reason}"
+    if reason is not None:
+        assert isinstance(reason, str) and reason
+        with pytest.raises(ValueError, match="fast decode step does not cover"):
+            FastStep(model)
+        return
+    x = ids(3, 7)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, :2] = False                                   # left padding: the key mask path
+    mask[2, :5] = False
+    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
+    step = FastStep(model)
+    tokens = ids(3, 9, seed=5)
+    with torch.no_grad():
+        for t in range(tokens.shape[1]):
+            expected = model(tokens[:, t:t + 1], state=slow)
+            got = step(tokens[:, t:t + 1], state=fast)
+            assert torch.equal(got, expected), f"{name}: step {t} differs by {(got - expected).abs().max():.3g}"
+    for a, b in ((slow.k, fast.k), (slow.v, fast.v), (slow.pos, fast.pos), (slow.mask, fast.mask)):
+        assert torch.equal(a, b)
+    assert slow.length == fast.length == 7 + 9
+
+
+def test_int8_and_unpadded_batches_are_identical_too():
+    model = quantize_int8(model_with("gqa_rotary_rms_swiglu"))
+    x, mask = ids(1, 5), torch.ones(1, 5, dtype=torch.bool)
+    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
+    assert not fast.padded
+    step = FastStep(model)
+    with torch.no_grad():
+        for t in range(6):
+            token = ids(1, 1, seed=t)
+            assert torch.equal(step(token, state=fast), model(token, state=slow))
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("rel_pos_bias", "score bias"), ("alibi_pos_emb", "score bias"), ("attn_num_mem_kv", "memory key"),
+    ("shift_tokens", "token shift"), ("num_memory_tokens", "memory tokens"), ("attn_talking_heads", "fused"),
+    ("attn_sparse_topk", "fused"), ("post_norm_residual_attn", "fused"), ("attn_collab_heads", "collaborative"),
+    ("position_infused_attn", "infused"), ("emb_dim", "emb_dim"),
+])
+def test_unsupported_options_name_the_reason(name, reason):
+    assert reason in FastStep.unsupported(model_with(name))
+
+
+def test_training_mode_hooks_and_cross_attention_keep_the_module_path():
+    model = model_with("default")
+    model.train()
+    assert "training" in FastStep.unsupported(model)
+    model.eval()
+    seen = []
+    handle = model.attn_layers.blocks[0].register_forward_hook(lambda *a: seen.append(1))
+    assert "hook" in FastStep.unsupported(model)
+    AutoregressiveWrapper(model).generate(ids(1, 4), 3, temperature=0.0)
+    assert len(seen) == 3                      # the prompt and the two later steps ran the module
+    handle.remove()
+    assert fast_step(model) is not None
+    assert "cross" in FastStep.unsupported(tiny_lm(cross_attend=True))
+
+
+def test_generate_takes_the_fast_step_and_gives_the_same_tokens(monkeypatch):
+    model = model_with("gqa_rotary_rms_swiglu")
+    ar = AutoregressiveWrapper(model)
+    prompts = ids(2, 6)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :3] = False
+    calls = []
+    original = FastStep.__call__
+    monkeypatch.setattr(FastStep, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    fast = ar.generate(prompts, 10, temperature=0.0, mask=mask)
+    assert len(calls) == 9                     # every step after the prompt
+    monkeypatch.setattr("polyformer.generate.decode.fast_step", lambda net: None)
+    slow = ar.generate(prompts, 10, temperature=0.0, mask=mask)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast, ar.generate(prompts, 10, temperature=0.0, mask=mask, cache_kv=False))
+
+
+def test_bad_calls_are_refused():
+    model = model_with("default")
+    step = FastStep(model)
+    empty = model.new_state(1, 8)
+    with pytest.raises(ValueError, match="holding the prompt"):
+        step(ids(1, 1), state=empty)
+    state = prefilled(model, ids(1, 4), torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="context"):
+        step(ids(1, 1), state=state, context=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"\[0, 64\)|num_tokens|range"):
+        step(torch.tensor([[64]]), state=state)
+    full = model.new_state(1, 4)
+    with torch.no_grad():
+        model(ids(1, 4), state=full)
+    with pytest.raises(ValueError, match="room for 4"):
+        step(ids(1, 1), state=full)
+    bounded = model_with("default")
+    long_state = bounded.new_state(1, 40)
+    with torch.no_grad():
+        bounded(ids(1, 32), state=long_state)                 # max_seq_len 32 positions used up
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        FastStep(bounded)(ids(1, 1), state=long_state)
