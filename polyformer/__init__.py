@@ -10,6 +10,7 @@ from .generate.prompt_cache import load_prompt_cache, next_token_logits, save_pr
 from .generate.sampling import min_p, top_k, top_p
 from .generate.speculative import SpeculativeResult, speculative_generate
 from .generate.xl import XLAutoregressiveWrapper
+from .layout import input_major
 from .quantize import Int8Linear, quantize_int8
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder, Intermediates
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
@@ -19,7 +20,7 @@ __all__ = [
     "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_k", "top_p",
     "BeamResult", "SpeculativeResult", "beam_search", "speculative_generate", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
-    "Int8Linear", "quantize_int8",
+    "Int8Linear", "quantize_int8", "input_major",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
 ]
 __version__ = "0.1.0"

@@ -320,6 +320,10 @@ def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature:
         from ..quantize import quantize_int8
 
         quantize_int8(model.eval())
+    elif next(model.parameters()).device.type == "cpu":     # batch-1 decoding streams the weights: see layout.py
+        from ..layout import input_major
+
+        input_major(model)
     if settings.train.objective not in ("lm", "prefix_lm"):
         raise SystemExit(f"polyformer generate: a {settings.train.objective!r} run does not generate text")
     if max_new_tokens < 1:
