@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -35,10 +37,16 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(inner, dim_out or dim, bias=cfg.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.proj_in(x)
-        if self.glu:
+        return self.compute(x, self.proj_in, self.act, self.proj_out, self.glu, self.dropout)
+
+    @staticmethod
+    def compute(x: Tensor, proj_in: Callable, act: Callable, proj_out: Callable, glu: bool,
+                dropout: Callable | None = None) -> Tensor:
+        """The feedforward over given stages (the fast decode step passes them resolved)."""
+        h = proj_in(x)
+        if glu:
             h, gate = h.chunk(2, dim=-1)
-            h = h * self.act(gate)
+            h = h * act(gate)
         else:
-            h = self.act(h)
-        return self.proj_out(self.dropout(h))
+            h = act(h)
+        return proj_out(dropout(h) if dropout is not None else h)

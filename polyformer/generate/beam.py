@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper, left_padded_positions
+from .fast import fast_step
 
 
 @dataclass
@@ -140,6 +141,7 @@ def _search(net: TransformerWrapper, prompts: Tensor, seq_len: int, k: int, eos_
     b, n = prompts.shape
     device = prompts.device
     state = net.new_state(b, n + seq_len - 1)      # the last generated token is never fed back
+    step = fast_step(net) or net                   # one-token steps without the module tree
     logits = net(prompts, mask=mask, pos=left_padded_positions(mask), context=context,
                  context_mask=context_mask, state=state)[:, -1]
     rows = torch.arange(b, device=device).repeat_interleave(k)    # prompt once, then one row per beam
@@ -178,7 +180,7 @@ def _search(net: TransformerWrapper, prompts: Tensor, seq_len: int, k: int, eos_
         if all(settled):
             break
         state.reorder((torch.arange(b, device=device)[:, None] * k + parent).view(-1))
-        logits = net(token.view(b * k, 1), context=context, context_mask=context_mask, state=state)[:, -1]
+        logits = step(token.view(b * k, 1), context=context, context_mask=context_mask, state=state)[:, -1]
         logprobs = logits.float().log_softmax(dim=-1)
 
     for r in range(b):

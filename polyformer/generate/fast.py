@@ -97,14 +97,8 @@ class _Block:
                 y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
             else:
                 y = self.output(out, h)
-        else:                                   # FeedForward.forward in eval mode (dropout is the identity)
-            h = self.proj_in(h)
-            if self.glu:
-                h, gate = h.chunk(2, dim=-1)
-                h = h * self.act(gate)
-            else:
-                h = self.act(h)
-            y = self.proj_out(h)
+        else:                                   # eval mode: dropout is the identity
+            y = FeedForward.compute(h, self.proj_in, self.act, self.proj_out, self.glu)
         if self.scale != 1.0:
             y = y * self.scale
         if self.norm_out is not None:

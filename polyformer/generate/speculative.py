@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper, left_padded_positions
+from .fast import fast_step
 from .sampling import Sampler
 
 
@@ -59,6 +60,7 @@ class CachedModel:
 
     def __init__(self, net: TransformerWrapper, prompts: Tensor, mask: Tensor | None, max_len: int):
         self.net = net
+        self.fast = fast_step(net)            # one-token steps (the draft's) without the module tree
         self.state = net.new_state(prompts.shape[0], max_len)
         self.last = net(prompts, mask=mask, pos=left_padded_positions(mask), state=self.state)[:, -1:]
         self.unseen = prompts[:, :0]
@@ -72,7 +74,7 @@ class CachedModel:
         x = torch.cat((self.unseen, tokens), dim=1)
         if x.shape[1] == 0:
             return self.last
-        out = self.net(x, state=self.state)
+        out = (self.fast if self.fast is not None and x.shape[1] == 1 else self.net)(x, state=self.state)
         self.calls += 1
         u = self.unseen.shape[1]
         logits = torch.cat((self.last, out), dim=1) if u == 0 else out[:, u - 1:]

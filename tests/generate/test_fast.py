@@ -150,3 +150,24 @@ def test_bad_calls_are_refused():
         bounded(ids(1, 32), state=long_state)                 # max_seq_len 32 positions used up
     with pytest.raises(ValueError, match="max_seq_len=32"):
         FastStep(bounded)(ids(1, 1), state=long_state)
+
+
+def test_speculative_drafts_and_beam_steps_take_the_fast_step_with_the_same_results(monkeypatch):
+    from polyformer import beam_search, speculative_generate
+
+    target, draft = model_with("gqa_rotary_rms_swiglu"), model_with("rotary_pos_emb", depth=1)
+    prompts = ids(2, 5)
+    calls = []
+    original = FastStep.__call__
+    monkeypatch.setattr(FastStep, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    spec = speculative_generate(target, draft, prompts, 12, gamma=3, temperature=0.0)
+    beams = beam_search(target, prompts, 6, num_beams=3)
+    used = len(calls)
+    monkeypatch.setattr("polyformer.generate.speculative.fast_step", lambda net: None)
+    monkeypatch.setattr("polyformer.generate.beam.fast_step", lambda net: None)
+    assert len(calls) == used > 0
+    assert torch.equal(spec.tokens, speculative_generate(target, draft, prompts, 12, gamma=3, temperature=0.0).tokens)
+    slow = beam_search(target, prompts, 6, num_beams=3)
+    assert len(calls) == used                  # the module path ran the second time
+    assert torch.equal(beams.tokens, slow.tokens) and torch.equal(beams.scores, slow.scores)
+    assert torch.equal(spec.tokens, AutoregressiveWrapper(target).generate(prompts, 12, temperature=0.0))
