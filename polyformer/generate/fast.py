@@ -9,11 +9,11 @@ logits are bit-identical to the module path's (tests/generate/test_fast.py check
 supported options, left-padded batches included).
 
 It covers stacks of self-attention and feedforward blocks with any norm placement and residual,
-any norm, activation or GLU, absolute or rotary positions, MQA / GQA, projection biases, tied or
-untied heads, and quantized or re-laid-out linear layers. Anything else (cross-attention, score
-biases, memory key / values, token shift, talking heads, residual attention, memory tokens,
-hooks on a module, training mode) makes `FastStep.unsupported(net)` name the reason, and
-generation keeps the module path.
+any norm, activation or GLU, absolute or rotary positions, T5 / ALiBi score biases, token shift,
+memory tokens, MQA / GQA, projection biases, tied or untied heads, and quantized or re-laid-out
+linear layers. Anything else (cross-attention, memory key / values, talking heads, top-k, entmax,
+residual attention, hooks on a module, training mode) makes `FastStep.unsupported(net)` name the
+reason, and generation keeps the module path.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class _Block:
         self.norm_in, self.norm_out, self.post_norm = _call(block.norm_in), _call(block.norm_out), _call(block.post_norm)
         self.scale = block.scale
         self.combine = None if type(block.combine) is Add else block.combine.forward
+        self.shift = (block.shift.forward, block.shift.reach) if block.shift is not None else (None, 0)
+        self.index = block.index
         branch = block.branch
         if self.attention:
             project, output = branch.project, branch.output
@@ -79,8 +81,12 @@ class _Block:
             self.proj_in, self.act, self.proj_out = _call(branch.proj_in), _call(branch.act), _call(branch.proj_out)
             self.glu = branch.glu
 
-    def __call__(self, x: Tensor, pos: Tensor, state: DecodeState, padding: Tensor | None) -> Tensor:
+    def __call__(self, x: Tensor, pos: Tensor, state: DecodeState, attn_mask: Callable) -> Tensor:
         h = self.norm_in(x) if self.norm_in is not None else x
+        if self.shift[0] is not None:           # the shift reaches back into earlier steps' inputs
+            shift, reach = self.shift
+            window, window_mask = state.shift_window(self.index, h, reach)
+            h = shift(window, window_mask)[:, -1:]
         if self.attention:
             q, k, v = self.qkv(h).split(self.split, dim=-1)
             b = q.shape[0]
@@ -91,7 +97,7 @@ class _Block:
             if self.position is not None:
                 q, k = self.position(q, k, pos, pos)
             keys, values = state.write(self.layer, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=padding, scale=self.scale_qk,
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype), scale=self.scale_qk,
                                                  enable_gqa=kv_heads != heads)
             if self.merged_out is not None:
                 y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
@@ -125,6 +131,8 @@ class FastStep:
         self.num_layers = stack.num_self_attn
         self.embed, self.pos_emb, self.post_emb_norm = _call(net.token_emb), _call(net.pos_emb), _call(net.post_emb_norm)
         self.bounded = isinstance(net.pos_emb, LearnedPositions)
+        self.memory_tokens = net.num_memory_tokens
+        self.score_bias = stack.shared_bias.forward if stack.shared_bias is not None else None
         self.head = _call(net.to_logits) if net.to_logits is not None else net.head
 
     @staticmethod
@@ -134,24 +142,24 @@ class FastStep:
             return f"{type(net).__name__} (only TransformerWrapper)"
         if net.training:
             return "training mode (dropout)"
-        if net.project_emb is not None or net.embeds is not None or net.memory_tokens is not None:
-            return "emb_dim, extra embeddings or memory tokens"
+        if net.project_emb is not None or net.embeds is not None:
+            return "emb_dim or extra embeddings"
         if net.max_mem_len:
             return "XL memories (max_mem_len)"
         stack = net.attn_layers
         if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):
             return "cross-attention"
         for block in stack.blocks:
-            if block.shift is not None:
-                return "token shift"
             if block.kind == "f" and type(block.branch) is not FeedForward:
                 return f"a feedforward of type {type(block.branch).__name__}"
             if block.kind == "a":
                 attn = block.branch
                 if type(attn.kernel) is not DenseKernel or not attn.kernel.can_fuse:
                     return "an attention kernel without the fused path (talking heads, top-k, entmax, ...)"
-                if attn.memory_kv is not None or attn._bias:
-                    return "memory key / values or a score bias (T5, ALiBi)"
+                if attn.memory_kv is not None:
+                    return "memory key / values"
+                if attn._bias and attn._bias[0] is not stack.shared_bias:
+                    return "a score bias that is not the stack's own"
                 if attn.project.infusion is not None or attn.project.mixing is not None:
                     return "position-infused or collaborative heads"
         if _hooked(net):
@@ -172,18 +180,34 @@ class FastStep:
                              "x adds 1")
         checks.token_ids(x, net.num_tokens)
         pos = state.pos[:, state.length - 1: state.length] + 1            # (b, 1): after each row's last
-        if self.bounded and int(pos.max()) + 1 > net.max_seq_len:
-            raise ValueError(f"x needs {int(pos.max()) + 1} positions but max_seq_len={net.max_seq_len} and the "
+        tok_pos = pos - self.memory_tokens if self.memory_tokens else pos  # memory tokens lead the state
+        if self.bounded and int(tok_pos.max()) + 1 > net.max_seq_len:
+            raise ValueError(f"x needs {int(tok_pos.max()) + 1} positions but max_seq_len={net.max_seq_len} and the "
                              "learned absolute positions cannot go beyond it")
         h = self.embed(x)
         if self.pos_emb is not None:
-            h = h + self.pos_emb(pos).to(h.dtype)
+            h = h + self.pos_emb(tok_pos).to(h.dtype)
         if self.post_emb_norm is not None:
             h = self.post_emb_norm(h)
         state.begin(pos, None)
-        padding = state.mask[:, None, None, : state.length + 1] if state.padded else None
+        end = state.length + 1
+        padding = state.mask[:, None, None, :end] if state.padded else None
+        made: dict[torch.dtype, Tensor | None] = {}
+
+        def attn_mask(dtype: torch.dtype) -> Tensor | None:
+            """The kernel's mask, as the dense kernel folds it: the stack's score bias (one module,
+            the same for every block) with the padding at -inf, or the boolean padding alone."""
+            if dtype not in made:
+                mask = padding
+                if self.score_bias is not None:
+                    mask = self.score_bias(pos, state.pos[:, :end]).to(dtype)
+                    if padding is not None:
+                        mask = mask.masked_fill(~padding, float("-inf"))
+                made[dtype] = mask
+            return made[dtype]
+
         for block in self.blocks:
-            h = block(h, pos, state, padding)
+            h = block(h, pos, state, attn_mask)
         state.commit()
         if self.final_norm is not None:
             h = self.final_norm(h)

@@ -15,11 +15,14 @@ EXTRA = {
     "gpt2_like": dict(attn_qkv_bias=True, attn_out_bias=True, ff_gelu_tanh=True, tie_embedding=True),
     "post_emb_norm": dict(post_emb_norm=True, pre_norm=False),
     "rotary_xpos_free_interleaved": dict(rotary_pos_emb=True, rotary_interleaved=True, attn_kv_heads=1),
+    "alibi_gqa_shift_memory_tokens": dict(alibi_pos_emb=True, attn_kv_heads=2, shift_tokens=1, num_memory_tokens=2),
+    "t5_rotary_sandwich": dict(rel_pos_bias=True, rotary_pos_emb=True, sandwich_norm=True),
 }
 OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
 # what the fast step must keep covering (the common decoders); everything else may fall back
-COVERED = {"default", "rotary_pos_emb", "rotary_partial_interleaved", "scaled_sinu_pos_emb", "no_abs_pos_emb",
+COVERED = {"default", "rel_pos_bias", "alibi_pos_emb", "alibi_num_heads", "shift_tokens", "shift_tokens_2",
+           "shift_tokens_tuple", "num_memory_tokens", "rotary_pos_emb", "rotary_partial_interleaved", "scaled_sinu_pos_emb", "no_abs_pos_emb",
            "use_scalenorm", "use_rmsnorm", "use_rezero", "ff_glu", "ff_relu_squared", "attn_on_attn",
            "gate_values", "attn_kv_heads", "attn_one_kv_head", "sandwich_coef", "macaron", "gate_residual",
            "sandwich_norm", "gradient_checkpointing", "tie_embedding", *EXTRA}
@@ -71,7 +74,9 @@ def test_fast_step_is_bit_identical_to_the_module_path_or_names_why_not(name):
             assert torch.equal(got, expected), f"{name}: step {t} differs by {(got - expected).abs().max():.3g}"
     for a, b in ((slow.k, fast.k), (slow.v, fast.v), (slow.pos, fast.pos), (slow.mask, fast.mask)):
         assert torch.equal(a, b)
-    assert slow.length == fast.length == 7 + 9
+    assert slow.shift.keys() == fast.shift.keys()                    # token-shift histories
+    assert all(torch.equal(slow.shift[i], fast.shift[i]) for i in slow.shift)
+    assert slow.length == fast.length == model.num_memory_tokens + 7 + 9
 
 
 def test_int8_and_unpadded_batches_are_identical_too():
@@ -87,8 +92,7 @@ def test_int8_and_unpadded_batches_are_identical_too():
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("rel_pos_bias", "score bias"), ("alibi_pos_emb", "score bias"), ("attn_num_mem_kv", "memory key"),
-    ("shift_tokens", "token shift"), ("num_memory_tokens", "memory tokens"), ("attn_talking_heads", "fused"),
+    ("attn_num_mem_kv", "memory key"), ("combined", "memory key"), ("attn_talking_heads", "fused"),
     ("attn_sparse_topk", "fused"), ("post_norm_residual_attn", "fused"), ("attn_collab_heads", "collaborative"),
     ("position_infused_attn", "infused"), ("emb_dim", "emb_dim"),
 ])
