@@ -175,3 +175,17 @@ def test_speculative_drafts_and_beam_steps_take_the_fast_step_with_the_same_resu
     assert len(calls) == used                  # the module path ran the second time
     assert torch.equal(beams.tokens, slow.tokens) and torch.equal(beams.scores, slow.scores)
     assert torch.equal(spec.tokens, AutoregressiveWrapper(target).generate(prompts, 12, temperature=0.0))
+
+
+@pytest.mark.parametrize("name", ["default", "gqa_rotary_rms_swiglu", "alibi_gqa_shift_memory_tokens"])
+def test_bfloat16_weights_and_autocast_are_identical_too(name):
+    x, mask = ids(2, 5), torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :2] = False
+    for model, autocast in ((model_with(name).to(torch.bfloat16), False), (model_with(name), True)):
+        slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
+        step = FastStep(model)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for t in range(5):
+                token = ids(2, 1, seed=t)
+                expected, got = model(token, state=slow), step(token, state=fast)
+                assert got.dtype == expected.dtype and torch.equal(got, expected)
