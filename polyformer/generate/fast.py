@@ -10,10 +10,11 @@ supported options, left-padded batches included).
 
 It covers stacks of self-attention and feedforward blocks with any norm placement and residual,
 any norm, activation or GLU, absolute or rotary positions, T5 / ALiBi score biases, token shift,
-memory tokens, MQA / GQA, projection biases, tied or untied heads, and quantized or re-laid-out
-linear layers. Anything else (cross-attention, memory key / values, talking heads, top-k, entmax,
-residual attention, hooks on a module, training mode) makes `FastStep.unsupported(net)` name the
-reason, and generation keeps the module path.
+memory tokens, memory key / values, MQA / GQA, projection biases, emb_dim, extra embeddings, tied
+or untied heads, and quantized or re-laid-out linear layers. Anything else (cross-attention,
+talking heads, top-k, entmax, residual attention, collaborative or position-infused heads, hooks
+on a module, training mode) makes `FastStep.unsupported(net)` name the reason, and generation
+keeps the module path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .. import checks
 from ..attention.kernels.dense import DenseKernel
 from ..embedding import LearnedPositions
 from ..feedforward import FeedForward
+from ..interfaces import KV
 from ..norm import LayerNorm
 from ..memory.kv_cache import DecodeState
 from ..residual import Add
@@ -74,6 +76,7 @@ class _Block:
             self.heads = (project.heads, project.kv_heads, project.v_heads)
             self.position = branch.position.forward if branch.position is not None else None
             self.layer, self.scale_qk = branch.layer, branch.kernel.scale
+            self.memory_kv = branch.memory_kv.forward if branch.memory_kv is not None else None
             plain = output.gate is None and not output.on_attn
             self.merged_out = _call(output.proj) if plain else None      # merge heads, then project
             self.output = output.forward
@@ -97,7 +100,11 @@ class _Block:
             if self.position is not None:
                 q, k = self.position(q, k, pos, pos)
             keys, values = state.write(self.layer, k, v)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype), scale=self.scale_qk,
+            free = 0
+            if self.memory_kv is not None:     # learned key / values before the cached ones
+                kv = self.memory_kv(KV(keys, values, pos=None, mask=None))
+                keys, values, free = kv.k, kv.v, kv.free
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype, free), scale=self.scale_qk,
                                                  enable_gqa=kv_heads != heads)
             if self.merged_out is not None:
                 y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
@@ -130,6 +137,8 @@ class FastStep:
         self.final_norm = _call(stack.final_norm)
         self.num_layers = stack.num_self_attn
         self.embed, self.pos_emb, self.post_emb_norm = _call(net.token_emb), _call(net.pos_emb), _call(net.post_emb_norm)
+        self.project_emb = _call(net.project_emb)
+        self.extra_embeds = net.embeds.forward if net.embeds is not None else None     # their id 0 at every step
         self.bounded = isinstance(net.pos_emb, LearnedPositions)
         self.memory_tokens = net.num_memory_tokens
         self.score_bias = stack.shared_bias.forward if stack.shared_bias is not None else None
@@ -142,8 +151,6 @@ class FastStep:
             return f"{type(net).__name__} (only TransformerWrapper)"
         if net.training:
             return "training mode (dropout)"
-        if net.project_emb is not None or net.embeds is not None:
-            return "emb_dim or extra embeddings"
         if net.max_mem_len:
             return "XL memories (max_mem_len)"
         stack = net.attn_layers
@@ -156,8 +163,6 @@ class FastStep:
                 attn = block.branch
                 if type(attn.kernel) is not DenseKernel or not attn.kernel.can_fuse:
                     return "an attention kernel without the fused path (talking heads, top-k, entmax, ...)"
-                if attn.memory_kv is not None:
-                    return "memory key / values"
                 if attn._bias and attn._bias[0] is not stack.shared_bias:
                     return "a score bias that is not the stack's own"
                 if attn.project.infusion is not None or attn.project.mixing is not None:
@@ -185,6 +190,10 @@ class FastStep:
             raise ValueError(f"x needs {int(tok_pos.max()) + 1} positions but max_seq_len={net.max_seq_len} and the "
                              "learned absolute positions cannot go beyond it")
         h = self.embed(x)
+        if self.project_emb is not None:
+            h = self.project_emb(h)
+        if self.extra_embeds is not None:
+            h = self.extra_embeds(h, {})
         if self.pos_emb is not None:
             h = h + self.pos_emb(tok_pos).to(h.dtype)
         if self.post_emb_norm is not None:
@@ -192,19 +201,22 @@ class FastStep:
         state.begin(pos, None)
         end = state.length + 1
         padding = state.mask[:, None, None, :end] if state.padded else None
-        made: dict[torch.dtype, Tensor | None] = {}
+        made: dict[tuple[torch.dtype, int], Tensor | None] = {}
 
-        def attn_mask(dtype: torch.dtype) -> Tensor | None:
-            """The kernel's mask, as the dense kernel folds it: the stack's score bias (one module,
-            the same for every block) with the padding at -inf, or the boolean padding alone."""
-            if dtype not in made:
-                mask = padding
+        def attn_mask(dtype: torch.dtype, free: int) -> Tensor | None:
+            """The kernel's mask, as the attention block and the dense kernel make it: the stack's
+            score bias (one module, the same for every block) with the padding at -inf, or the
+            boolean padding alone; `free` memory keys in front, seen by every query, no bias."""
+            if (dtype, free) not in made:
+                keep = padding if padding is None or not free else F.pad(padding, (free, 0), value=True)
+                mask = keep
                 if self.score_bias is not None:
-                    mask = self.score_bias(pos, state.pos[:, :end]).to(dtype)
-                    if padding is not None:
-                        mask = mask.masked_fill(~padding, float("-inf"))
-                made[dtype] = mask
-            return made[dtype]
+                    bias = self.score_bias(pos, state.pos[:, :end])
+                    mask = (F.pad(bias, (free, 0)) if free else bias).to(dtype)
+                    if keep is not None:
+                        mask = mask.masked_fill(~keep, float("-inf"))
+                made[dtype, free] = mask
+            return made[dtype, free]
 
         for block in self.blocks:
             h = block(h, pos, state, attn_mask)

@@ -17,11 +17,13 @@ EXTRA = {
     "rotary_xpos_free_interleaved": dict(rotary_pos_emb=True, rotary_interleaved=True, attn_kv_heads=1),
     "alibi_gqa_shift_memory_tokens": dict(alibi_pos_emb=True, attn_kv_heads=2, shift_tokens=1, num_memory_tokens=2),
     "t5_rotary_sandwich": dict(rel_pos_bias=True, rotary_pos_emb=True, sandwich_norm=True),
+    "alibi_memory_kv_gqa": dict(alibi_pos_emb=True, attn_num_mem_kv=3, attn_kv_heads=2),
+    "token_types_emb_dim": dict(embed_num_tokens={"token_type": 2}, emb_dim=24, rotary_pos_emb=True),
 }
 OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
 # what the fast step must keep covering (the common decoders); everything else may fall back
-COVERED = {"default", "rel_pos_bias", "alibi_pos_emb", "alibi_num_heads", "shift_tokens", "shift_tokens_2",
+COVERED = {"default", "emb_dim", "attn_num_mem_kv", "combined", "rel_pos_bias", "alibi_pos_emb", "alibi_num_heads", "shift_tokens", "shift_tokens_2",
            "shift_tokens_tuple", "num_memory_tokens", "rotary_pos_emb", "rotary_partial_interleaved", "scaled_sinu_pos_emb", "no_abs_pos_emb",
            "use_scalenorm", "use_rmsnorm", "use_rezero", "ff_glu", "ff_relu_squared", "attn_on_attn",
            "gate_values", "attn_kv_heads", "attn_one_kv_head", "sandwich_coef", "macaron", "gate_residual",
@@ -31,12 +33,13 @@ COVERED = {"default", "rel_pos_bias", "alibi_pos_emb", "alibi_num_heads", "shift
 def model_with(name, **extra):
     torch.manual_seed(0)
     keywords = {**OPTIONS[name], **extra}
-    wrapper = {k: keywords.pop(k) for k in ("logits_bias", "post_emb_norm") if k in keywords}
+    wrapper = {k: keywords.pop(k) for k in ("logits_bias", "post_emb_norm", "embed_num_tokens") if k in keywords}
     model = tiny_lm(**keywords)
     if wrapper:                              # wrapper keywords tiny_lm does not route: rebuild with them
         from polyformer import TransformerWrapper
         model = TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=model.attn_layers,
-                                   tie_embedding=model.tie_embedding, **wrapper).eval()
+                                   tie_embedding=model.tie_embedding, emb_dim=keywords.get("emb_dim"),
+                                   **wrapper).eval()
     return perturb(model, scale=0.05)
 
 
@@ -92,9 +95,9 @@ def test_int8_and_unpadded_batches_are_identical_too():
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("attn_num_mem_kv", "memory key"), ("combined", "memory key"), ("attn_talking_heads", "fused"),
+    ("attn_talking_heads", "fused"),
     ("attn_sparse_topk", "fused"), ("post_norm_residual_attn", "fused"), ("attn_collab_heads", "collaborative"),
-    ("position_infused_attn", "infused"), ("emb_dim", "emb_dim"),
+    ("position_infused_attn", "infused"),
 ])
 def test_unsupported_options_name_the_reason(name, reason):
     assert reason in FastStep.unsupported(model_with(name))
