@@ -54,7 +54,8 @@ def _call(module: nn.Module | None) -> Callable[[Tensor], Tensor] | None:
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
     if type(module) is LayerNorm:
-        shape, weight, bias, eps, forward = module.normalized_shape, module.weight, module.bias, module.eps, module.forward
+        shape, weight, bias, eps, forward = (module.normalized_shape, module.weight, module.bias, module.eps,
+                                             module.forward)
         return lambda x: F.layer_norm(x, shape, weight, bias, eps) if x.dtype == torch.float32 else forward(x)
     return module.forward
 
@@ -64,7 +65,8 @@ class _Block:
 
     def __init__(self, block: nn.Module):
         self.attention = block.kind == "a"
-        self.norm_in, self.norm_out, self.post_norm = _call(block.norm_in), _call(block.norm_out), _call(block.post_norm)
+        self.norm_in, self.norm_out = _call(block.norm_in), _call(block.norm_out)
+        self.post_norm = _call(block.post_norm)
         self.scale = block.scale
         self.combine = None if type(block.combine) is Add else block.combine.forward
         self.shift = (block.shift.forward, block.shift.reach) if block.shift is not None else (None, 0)
@@ -104,8 +106,8 @@ class _Block:
             if self.memory_kv is not None:     # learned key / values before the cached ones
                 kv = self.memory_kv(KV(keys, values, pos=None, mask=None))
                 keys, values, free = kv.k, kv.v, kv.free
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype, free), scale=self.scale_qk,
-                                                 enable_gqa=kv_heads != heads)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype, free),
+                                                 scale=self.scale_qk, enable_gqa=kv_heads != heads)
             if self.merged_out is not None:
                 y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
             else:
@@ -136,7 +138,8 @@ class FastStep:
         self.blocks = [_Block(block) for block in stack.blocks]
         self.final_norm = _call(stack.final_norm)
         self.num_layers = stack.num_self_attn
-        self.embed, self.pos_emb, self.post_emb_norm = _call(net.token_emb), _call(net.pos_emb), _call(net.post_emb_norm)
+        self.embed, self.pos_emb = _call(net.token_emb), _call(net.pos_emb)
+        self.post_emb_norm = _call(net.post_emb_norm)
         self.project_emb = _call(net.project_emb)
         self.extra_embeds = net.embeds.forward if net.embeds is not None else None     # their id 0 at every step
         self.bounded = isinstance(net.pos_emb, LearnedPositions)

@@ -15,19 +15,19 @@ EXTRA = {
     "gpt2_like": dict(attn_qkv_bias=True, attn_out_bias=True, ff_gelu_tanh=True, tie_embedding=True),
     "post_emb_norm": dict(post_emb_norm=True, pre_norm=False),
     "rotary_xpos_free_interleaved": dict(rotary_pos_emb=True, rotary_interleaved=True, attn_kv_heads=1),
-    "alibi_gqa_shift_memory_tokens": dict(alibi_pos_emb=True, attn_kv_heads=2, shift_tokens=1, num_memory_tokens=2),
+    "alibi_gqa_shift_memory_tokens": dict(alibi_pos_emb=True, attn_kv_heads=2, shift_tokens=1,
+                                          num_memory_tokens=2),
     "t5_rotary_sandwich": dict(rel_pos_bias=True, rotary_pos_emb=True, sandwich_norm=True),
     "alibi_memory_kv_gqa": dict(alibi_pos_emb=True, attn_num_mem_kv=3, attn_kv_heads=2),
     "token_types_emb_dim": dict(embed_num_tokens={"token_type": 2}, emb_dim=24, rotary_pos_emb=True),
 }
 OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
-# what the fast step must keep covering (the common decoders); everything else may fall back
-COVERED = {"default", "emb_dim", "attn_num_mem_kv", "combined", "rel_pos_bias", "alibi_pos_emb", "alibi_num_heads", "shift_tokens", "shift_tokens_2",
-           "shift_tokens_tuple", "num_memory_tokens", "rotary_pos_emb", "rotary_partial_interleaved", "scaled_sinu_pos_emb", "no_abs_pos_emb",
-           "use_scalenorm", "use_rmsnorm", "use_rezero", "ff_glu", "ff_relu_squared", "attn_on_attn",
-           "gate_values", "attn_kv_heads", "attn_one_kv_head", "sandwich_coef", "macaron", "gate_residual",
-           "sandwich_norm", "gradient_checkpointing", "tie_embedding", *EXTRA}
+# the options the fast step leaves to the module path (kernels that need the scores or weights, and
+# heads built differently); every other option set, including ones added later, must be covered
+NOT_COVERED = {"attn_sparse_topk", "attn_use_entmax15", "attn_talking_heads", "post_norm_residual_attn",
+               "attn_collab_heads", "position_infused_attn"}
+COVERED = set(OPTIONS) - NOT_COVERED
 
 
 def model_with(name, **extra):
