@@ -27,6 +27,7 @@ from torch.testing import assert_close
 
 from polyformer import (AutoregressiveWrapper, ContinuousTransformerWrapper, Decoder, Encoder,
                         TransformerWrapper, ViTransformerWrapper, XTransformer, build_model, model_config)
+from polyformer.generate.fast import FastStep
 from polyformer.stack import AttentionLayers
 from tests.options import perturb
 
@@ -391,6 +392,36 @@ def test_cached_decoding_equals_uncached(case, split):
         prompts = inp.x[:, : max(n // 3 + 1, n - 4)]
         kwargs = dict(mask=mask[:, : prompts.shape[1]], temperature=0.0, **extra)
         assert torch.equal(ar.generate(prompts, 4, **kwargs), ar.generate(prompts, 4, cache_kv=False, **kwargs))
+
+
+@FUZZ
+@given(case=cases(wrappers=("token",), causal=True), split=st.integers(1, 9))
+def test_fast_decode_step_is_bit_identical_to_the_module_step(case, split):
+    """The flat one-token step generation uses (`generate.fast`) against the module tree's step,
+    on the same state; a configuration it does not cover must say why."""
+    model = build(case).eval()
+    reason = FastStep.unsupported(model)
+    event(f"fast step: {reason or 'covered'}")
+    if reason is not None or model.attn_layers.has_cross:
+        assert reason                                     # cross-attention stacks are never covered
+        return
+    inp = make_inputs(case, model, masked=False)
+    n = case.n
+    assume(n >= 3)
+    mask = torch.ones(case.batch, n, dtype=torch.bool)
+    mask[0, : n // 3] = False
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    s = max(min(split, n - 2), n // 3 + 1)
+    states = []
+    for _ in range(2):
+        states.append(model.new_state(case.batch, n))
+        with torch.no_grad():
+            model(inp.x[:, :s], mask=mask[:, :s], pos=pos[:, :s], state=states[-1])
+    step = FastStep(model)
+    with torch.no_grad():
+        for t in range(s, n):
+            token = inp.x[:, t:t + 1]
+            assert torch.equal(step(token, state=states[1]), model(token, state=states[0]))
 
 
 @FUZZ

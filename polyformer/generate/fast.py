@@ -154,8 +154,6 @@ class FastStep:
             return f"{type(net).__name__} (only TransformerWrapper)"
         if net.training:
             return "training mode (dropout)"
-        if net.max_mem_len:
-            return "XL memories (max_mem_len)"
         stack = net.attn_layers
         if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):
             return "cross-attention"
