@@ -25,6 +25,9 @@ class AttentionConfig:
     rotary_dim: int | None = None       # None: rotate the whole head
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False    # pairs (0,1),(2,3)... as RoFormer; False pairs i, i + d/2
+    rotary_interpolation: float = 1.0   # positions / factor (position interpolation, arXiv:2306.15595)
+    rotary_llama3: tuple[float, float, float, float] | None = None   # (factor, low_freq_factor,
+                                        # high_freq_factor, original context): Llama 3's frequency scaling
     bias: str = "none"                  # "t5", "alibi"                 (registry.SCORE_BIAS)
     alibi_num_heads: int | None = None  # None: every head
     rel_pos_num_buckets: int = 32

@@ -49,6 +49,19 @@ def _shift(arg: Any) -> int | tuple[int, ...]:
     return int(arg)
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _llama3(arg: Any) -> tuple[float, float, float, float] | None:
+    """{factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (Hugging Face's
+    names for Llama 3's rope scaling) -> a tuple in that order; None: off."""
+    if arg is None:
+        return None
+    if not isinstance(arg, dict) or set(arg) != set(LLAMA3_KEYS):
+        raise TypeError(f"expected a dict with exactly the keys {list(LLAMA3_KEYS)}, got {arg!r}")
+    return tuple(float(arg[k]) for k in LLAMA3_KEYS)
+
+
 def _layout(arg: Any) -> tuple[str, ...] | None:
     return None if arg is None else tuple(arg)
 
@@ -81,6 +94,8 @@ KEYWORDS: dict[str, Route] = {
     "rotary_emb_dim": Route("attention.rotary_dim"),
     "rotary_base": Route("attention.rotary_base", float),
     "rotary_interleaved": Route("attention.rotary_interleaved"),
+    "rotary_interpolation_factor": Route("attention.rotary_interpolation", float),
+    "rotary_llama3_scaling": Route("attention.rotary_llama3", lambda arg: _llama3(arg)),
     "position_infused_attn": flag(attention__position="infused"),
     "rel_pos_bias": flag(attention__bias="t5"),
     "rel_pos_num_buckets": Route("attention.rel_pos_num_buckets"),

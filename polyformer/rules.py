@@ -94,6 +94,18 @@ RULES: list[Rule] = [
          "direction), got {attention.rel_pos_num_buckets}"),
     Rule(lambda c: c.attention.position != "rotary" and (c.attention.rotary_base != 10000.0 or c.attention.rotary_interleaved),
          "rotary_base / rotary_interleaved are set but rotary_pos_emb is not True"),
+    Rule(lambda c: c.attention.position != "rotary" and (c.attention.rotary_interpolation != 1.0
+                                                         or c.attention.rotary_llama3 is not None),
+         "rotary_interpolation_factor / rotary_llama3_scaling are set but rotary_pos_emb is not True"),
+    Rule(lambda c: not c.attention.rotary_interpolation >= 1.0,
+         "rotary_interpolation_factor must be >= 1 (positions are divided by it), got {attention.rotary_interpolation}"),
+    Rule(lambda c: c.attention.rotary_llama3 is not None and not (
+        c.attention.rotary_llama3[0] >= 1.0 and 0 < c.attention.rotary_llama3[1] < c.attention.rotary_llama3[2]
+        and c.attention.rotary_llama3[3] > 0),
+         "rotary_llama3_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+         "original_max_position_embeddings > 0, got {attention.rotary_llama3}"),
+    Rule(lambda c: c.attention.rotary_interpolation != 1.0 and c.attention.rotary_llama3 is not None,
+         "rotary_interpolation_factor and rotary_llama3_scaling are two rotary scalings; choose one"),
     Rule(lambda c: c.attention.bias != "t5" and (c.attention.rel_pos_num_buckets != 32 or c.attention.rel_pos_max_distance != 128),
          "rel_pos_num_buckets / rel_pos_max_distance are set but rel_pos_bias is not True"),
     Rule(lambda c: c.dim_context is not None and not (c.cross_attend or c.only_cross),

@@ -33,8 +33,8 @@ class Attention(nn.Module):
         self.project = Projection(dim, cfg, dim_context=(dim_context or dim) if cross else None,
                                   infuse=positional and cfg.position == "infused")
         position = POSITION[cfg.position] if positional else None
-        self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base,
-                                  cfg.rotary_interleaved) if position is not None else None)
+        self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_interleaved,
+                                  cfg.rotary_interpolation, cfg.rotary_llama3) if position is not None else None)
         self._bias = (shared_bias,) if positional and shared_bias is not None else ()
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)

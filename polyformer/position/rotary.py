@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -30,15 +32,38 @@ def apply_rotary(x: Tensor, angles: tuple[Tensor, Tensor], interleaved: bool = F
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
+def llama3_frequencies(inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_context: float) -> Tensor:
+    """Llama 3's rotary scaling (Meta, "The Llama 3 Herd of Models", 2024): frequencies whose
+    wavelength 2 pi / f is shorter than original_context / high_freq_factor are kept, those longer
+    than original_context / low_freq_factor are divided by `factor`, and the band in between moves
+    smoothly from one to the other."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength < original_context / high_freq_factor, inv_freq, scaled)
+    return torch.where(wavelength > original_context / low_freq_factor, inv_freq / factor, scaled)
+
+
 class Rotary(nn.Module):
-    """Rotates queries and keys by angles pos * base^(-2i/r), so q.k depends only on the offset."""
+    """Rotates queries and keys by angles pos * base^(-2i/r), so q.k depends only on the offset.
+
+    interpolation: positions are divided by this factor (position interpolation, arXiv:2306.15595),
+    i.e. every frequency is; llama3: (factor, low_freq_factor, high_freq_factor, original context)
+    scales the low frequencies only (`llama3_frequencies`). Either way q.k still depends only on the
+    offset.
+    """
 
     def __init__(self, dim_head: int, rotary_dim: int | None = None, base: float = 10000.0,
-                 interleaved: bool = False):
+                 interleaved: bool = False, interpolation: float = 1.0,
+                 llama3: tuple[float, float, float, float] | None = None):
         super().__init__()
         r = rotary_dim or dim_head - dim_head % 2
         self.interleaved = interleaved
         inv_freq = base ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+        if llama3 is not None:
+            inv_freq = llama3_frequencies(inv_freq, *llama3)
+        inv_freq = inv_freq / interpolation
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:

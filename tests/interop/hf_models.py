@@ -38,6 +38,15 @@ LLAMA_SHAPES = {
     "heads3_head_dim4_biases": dict(vocab_size=32, hidden_size=18, intermediate_size=24, num_hidden_layers=2,
                                     num_attention_heads=3, num_key_value_heads=3, head_dim=4, attention_bias=True,
                                     mlp_bias=True),
+    # scaled rotary: wavelengths of head_dim 16 straddle both Llama 3 bands (16 and 64 positions)
+    "llama3_rope": dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}),
+    "linear_rope": dict(vocab_size=40, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0,
+                                                                 "factor": 2.5}),
 }
 
 

@@ -211,3 +211,69 @@ def test_encoder_attention_repeats_on_a_periodic_sequence():
     log_b = maps_y[0][0].log()
     assert not torch.allclose(log_b[:, 4:8, 4:12] - log_b[:, 4:8, 4:5],
                               log_b[:, 0:4, 0:8] - log_b[:, 0:4, 0:1], atol=1e-3)
+
+
+# --- scaled frequencies: position interpolation (arXiv:2306.15595) and Llama 3's scaling -------
+
+LLAMA3 = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+
+
+def test_interpolation_divides_the_positions():
+    """Angles at position p with factor f are the unscaled angles at p / f."""
+    x = torch.randn(1, 2, 7, 16, dtype=torch.float64).float()
+    pos = torch.arange(7)[None] * 3
+    scaled, plain = Rotary(16, interpolation=2.5), Rotary(16)
+    got = apply_rotary(x, rotary_angles(pos, scaled.inv_freq))
+    expected = complex_rope(x, pos / 2.5, 16, interleaved=False)
+    assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+    assert_close(scaled.inv_freq, plain.inv_freq / 2.5)
+
+
+def test_llama3_scaling_keeps_high_frequencies_divides_low_ones_and_blends_between():
+    r, ctx = 32, LLAMA3["original_max_position_embeddings"]
+    w = frequencies(r)
+    scaled = Rotary(r, llama3=tuple(LLAMA3.values())).inv_freq.double()
+    wavelength = 2 * torch.pi / w
+    high = wavelength < ctx / LLAMA3["high_freq_factor"]               # shorter than 16 positions
+    low = wavelength > ctx / LLAMA3["low_freq_factor"]                 # longer than 64 positions
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()                      # every band is exercised
+    assert_close(scaled[high], w[high], rtol=1e-6, atol=0)
+    assert_close(scaled[low], w[low] / LLAMA3["factor"], rtol=1e-6, atol=0)
+    assert ((scaled[mid] < w[mid]) & (scaled[mid] > w[mid] / LLAMA3["factor"])).all()
+    smooth = (ctx / wavelength[mid] - 1.0) / (4.0 - 1.0)               # the published blend
+    assert_close(scaled[mid], (1 - smooth) * w[mid] / 4.0 + smooth * w[mid], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scaling", [dict(rotary_interpolation_factor=3.0), dict(rotary_llama3_scaling=LLAMA3)])
+def test_scaled_scores_still_depend_only_on_offset(scaling):
+    model = tiny_lm(rotary_pos_emb=True, attn_dim_head=16, **scaling)
+    rotary = model.attn_layers.blocks[0].branch.position
+    assert not torch.equal(rotary.inv_freq, Rotary(16).inv_freq)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    scores = []
+    for shift in (0, 5, 40):
+        pos_q, pos_k = torch.tensor([[7 + shift]]), torch.tensor([[2 + shift]])
+        rq, rk = rotary(q, k, pos_q, pos_k)
+        scores.append((rq * rk).sum())
+    assert_close(scores[1], scores[0], atol=1e-5, rtol=1e-5)
+    assert_close(scores[2], scores[0], atol=1e-5, rtol=1e-5)
+
+
+def test_scaling_keywords_are_checked_and_saved():
+    from polyformer import build_model, model_config
+
+    model = tiny_lm(rotary_pos_emb=True, rotary_llama3_scaling=LLAMA3)
+    rebuilt = build_model(model_config(model))
+    assert torch.equal(rebuilt.attn_layers.blocks[0].branch.position.inv_freq,
+                       model.attn_layers.blocks[0].branch.position.inv_freq)
+    with pytest.raises(ValueError, match="rotary_interpolation_factor / rotary_llama3_scaling are set but rotary_pos_emb"):
+        Decoder(dim=32, depth=1, rotary_interpolation_factor=2.0)
+    with pytest.raises(ValueError, match="rotary_interpolation_factor must be >= 1"):
+        Decoder(dim=32, depth=1, rotary_pos_emb=True, rotary_interpolation_factor=0.5)
+    with pytest.raises(ValueError, match="two rotary scalings"):
+        Decoder(dim=32, depth=1, rotary_pos_emb=True, rotary_interpolation_factor=2.0, rotary_llama3_scaling=LLAMA3)
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        Decoder(dim=32, depth=1, rotary_pos_emb=True, rotary_llama3_scaling={**LLAMA3, "low_freq_factor": 5.0})
+    with pytest.raises(TypeError, match="rotary_llama3_scaling.*exactly the keys"):
+        Decoder(dim=32, depth=1, rotary_pos_emb=True, rotary_llama3_scaling={"factor": 8.0})
