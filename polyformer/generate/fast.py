@@ -1,20 +1,19 @@
 """The one-token decode step as a flat loop over the blocks, for the decoders most people run.
 
 A cached step through the module tree (`net(token, state=state)`) pays for generality on every
-token: argument checks, a `Context`, a `Block` per sublayer, the keep-mask memo, `KV` records.
+token: argument checks, a `Context`, a `Block` per sublayer, the keep-mask memo, module calls.
 At batch 1 on a CPU that is about a millisecond per token for a six-layer model, as much as the
 arithmetic of a small one. `FastStep` runs the same operations in the same order, calling the same
-modules (norms, projections, activations, rotary, the decode state), without the machinery, so its
-logits are bit-identical to the module path's (tests/generate/test_fast.py checks it across the
-supported options, left-padded batches included).
+modules and kernels (norms, projections, activations, rotary, score biases, the attention kernel,
+the decode state), without the machinery, so its logits are bit-identical to the module path's
+(tests/generate/test_fast.py checks it for every decoder option, left-padded batches included).
 
-It covers stacks of self-attention and feedforward blocks with any norm placement and residual,
-any norm, activation or GLU, absolute or rotary positions, T5 / ALiBi score biases, token shift,
-memory tokens, memory key / values, MQA / GQA, projection biases, emb_dim, extra embeddings, tied
-or untied heads, and quantized or re-laid-out linear layers. Anything else (cross-attention,
-talking heads, top-k, entmax, residual attention, collaborative or position-infused heads, hooks
-on a module, training mode) makes `FastStep.unsupported(net)` name the reason, and generation
-keeps the module path.
+It covers stacks of self-attention and feedforward blocks with every norm placement, residual,
+norm, activation, position, score bias, attention kernel option (fused or not: top-k, entmax,
+talking heads, residual attention), token shift, memory tokens and key / values, MQA / GQA and
+head; quantized or re-laid-out linear layers too. Cross-attention, collaborative or
+position-infused heads, hooks on a module and training mode make `FastStep.unsupported(net)` name
+the reason, and generation keeps the module path.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from .. import checks
-from ..attention.kernels.dense import DenseKernel
 from ..embedding import LearnedPositions
 from ..feedforward import FeedForward
 from ..interfaces import KV
@@ -77,7 +75,7 @@ class _Block:
             self.qkv, self.split = _call(project.to_qkv), project.split
             self.heads = (project.heads, project.kv_heads, project.v_heads)
             self.position = branch.position.forward if branch.position is not None else None
-            self.layer, self.scale_qk = branch.layer, branch.kernel.scale
+            self.layer, self.kernel = branch.layer, branch.kernel.forward
             self.memory_kv = branch.memory_kv.forward if branch.memory_kv is not None else None
             plain = output.gate is None and not output.on_attn
             self.merged_out = _call(output.proj) if plain else None      # merge heads, then project
@@ -86,7 +84,9 @@ class _Block:
             self.proj_in, self.act, self.proj_out = _call(branch.proj_in), _call(branch.act), _call(branch.proj_out)
             self.glu = branch.glu
 
-    def __call__(self, x: Tensor, pos: Tensor, state: DecodeState, attn_mask: Callable) -> Tensor:
+    def __call__(self, x: Tensor, pos: Tensor, state: DecodeState, masks: Callable,
+                 prev_scores: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The block's output, and the attention scores a later block adds (residual attention)."""
         h = self.norm_in(x) if self.norm_in is not None else x
         if self.shift[0] is not None:           # the shift reaches back into earlier steps' inputs
             shift, reach = self.shift
@@ -101,13 +101,12 @@ class _Block:
             v = v.view(b, 1, v_heads, -1).transpose(1, 2)
             if self.position is not None:
                 q, k = self.position(q, k, pos, pos)
-            keys, values = state.write(self.layer, k, v)
-            free = 0
+            kv = KV(*state.write(self.layer, k, v), pos=None, mask=None)
             if self.memory_kv is not None:     # learned key / values before the cached ones
-                kv = self.memory_kv(KV(keys, values, pos=None, mask=None))
-                keys, values, free = kv.k, kv.v, kv.free
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask(q.dtype, free),
-                                                 scale=self.scale_qk, enable_gqa=kv_heads != heads)
+                kv = self.memory_kv(kv)
+            keep, bias = masks(kv.free)
+            attended = self.kernel(q, kv, mask=keep, bias=bias, causal=False, prev_scores=prev_scores)
+            out, prev_scores = attended.out, attended.scores
             if self.merged_out is not None:
                 y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
             else:
@@ -121,7 +120,7 @@ class _Block:
         x = x + y if self.combine is None else self.combine(x, y)
         if self.post_norm is not None:
             x = self.post_norm(x)
-        return x
+        return x, prev_scores
 
 
 class FastStep:
@@ -162,8 +161,6 @@ class FastStep:
                 return f"a feedforward of type {type(block.branch).__name__}"
             if block.kind == "a":
                 attn = block.branch
-                if type(attn.kernel) is not DenseKernel or not attn.kernel.can_fuse:
-                    return "an attention kernel without the fused path (talking heads, top-k, entmax, ...)"
                 if attn._bias and attn._bias[0] is not stack.shared_bias:
                     return "a score bias that is not the stack's own"
                 if attn.project.infusion is not None or attn.project.mixing is not None:
@@ -201,26 +198,25 @@ class FastStep:
             h = self.post_emb_norm(h)
         state.begin(pos, None)
         end = state.length + 1
-        padding = state.mask[:, None, None, :end] if state.padded else None
-        made: dict[tuple[torch.dtype, int], Tensor | None] = {}
+        keep = state.mask[:, None, None, :end] if state.padded else None
+        bias = self.score_bias(pos, state.pos[:, :end]) if self.score_bias is not None else None
+        made: dict[int, tuple[Tensor | None, Tensor | None]] = {}
 
-        def attn_mask(dtype: torch.dtype, free: int) -> Tensor | None:
-            """The kernel's mask, as the attention block and the dense kernel make it: the stack's
-            score bias (one module, the same for every block) with the padding at -inf, or the
-            boolean padding alone; `free` memory keys in front, seen by every query, no bias."""
-            if (dtype, free) not in made:
-                keep = padding if padding is None or not free else F.pad(padding, (free, 0), value=True)
-                mask = keep
-                if self.score_bias is not None:
-                    bias = self.score_bias(pos, state.pos[:, :end])
-                    mask = (F.pad(bias, (free, 0)) if free else bias).to(dtype)
-                    if keep is not None:
-                        mask = mask.masked_fill(~keep, float("-inf"))
-                made[dtype, free] = mask
-            return made[dtype, free]
+        def masks(free: int) -> tuple[Tensor | None, Tensor | None]:
+            """The kernel's keep-mask and score bias as an attention block makes them for one new
+            token (the stack's bias is one module, the same for every block), with `free` memory
+            keys in front: kept, unbiased."""
+            if free not in made:
+                padded_keep = F.pad(keep, (free, 0), value=True) if keep is not None and free else keep
+                padded_bias = F.pad(bias, (free, 0)) if bias is not None and free else bias
+                made[free] = (padded_keep, padded_bias)
+            return made[free]
 
+        prev: Tensor | None = None
         for block in self.blocks:
-            h = block(h, pos, state, attn_mask)
+            h, scores = block(h, pos, state, masks, prev)
+            if block.attention:
+                prev = scores
         state.commit()
         if self.final_norm is not None:
             h = self.final_norm(h)

@@ -20,13 +20,15 @@ EXTRA = {
     "t5_rotary_sandwich": dict(rel_pos_bias=True, rotary_pos_emb=True, sandwich_norm=True),
     "alibi_memory_kv_gqa": dict(alibi_pos_emb=True, attn_num_mem_kv=3, attn_kv_heads=2),
     "token_types_emb_dim": dict(embed_num_tokens={"token_type": 2}, emb_dim=24, rotary_pos_emb=True),
+    "residual_attn_alibi_memory_kv": dict(residual_attn=True, alibi_pos_emb=True, attn_num_mem_kv=2,
+                                          attn_kv_heads=2),
+    "talking_heads_topk_t5_padding": dict(attn_talking_heads=True, attn_sparse_topk=3, rel_pos_bias=True),
 }
 OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
-# the options the fast step leaves to the module path (kernels that need the scores or weights, and
-# heads built differently); every other option set, including ones added later, must be covered
-NOT_COVERED = {"attn_sparse_topk", "attn_use_entmax15", "attn_talking_heads", "post_norm_residual_attn",
-               "attn_collab_heads", "position_infused_attn"}
+# the options the fast step leaves to the module path (heads built differently); every other option
+# set, including ones added later, must be covered
+NOT_COVERED = {"attn_collab_heads", "position_infused_attn"}
 COVERED = set(OPTIONS) - NOT_COVERED
 
 
@@ -95,8 +97,7 @@ def test_int8_and_unpadded_batches_are_identical_too():
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("attn_talking_heads", "fused"),
-    ("attn_sparse_topk", "fused"), ("post_norm_residual_attn", "fused"), ("attn_collab_heads", "collaborative"),
+    ("attn_collab_heads", "collaborative"),
     ("position_infused_attn", "infused"),
 ])
 def test_unsupported_options_name_the_reason(name, reason):
