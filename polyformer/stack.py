@@ -63,17 +63,22 @@ class Block(nn.Module):
                 ) -> tuple[Tensor, AttnOut | None, Tensor]:
         h = self.norm_in(x) if self.norm_in is not None else x
         if self.shift is not None:
-            if ctx.state is not None:      # the shift reaches back into earlier steps' inputs
-                window, window_mask = ctx.state.shift_window(self.index, h, self.shift.reach)
-                h = self.shift(window, window_mask)[:, -h.shape[1]:]
-            else:
-                h = self.shift(h, ctx.shift_mask)
+            h = self.shifted(h, ctx.state) if ctx.state is not None else self.shift(h, ctx.shift_mask)
         attn = None
         if self.kind == "f":
             y = self.branch(h)
         else:
             attn = self.branch(h, ctx, prev_scores)
             y = attn.out
+        return self.join(x, y), attn, h
+
+    def shifted(self, h: Tensor, state: DecodeState) -> Tensor:
+        """Token shift while decoding: it reaches back into earlier steps' inputs, kept in the state."""
+        window, window_mask = state.shift_window(self.index, h, self.shift.reach)
+        return self.shift(window, window_mask)[:, -h.shape[1]:]
+
+    def join(self, x: Tensor, y: Tensor) -> Tensor:
+        """The branch output y back into the residual stream x: scale, sandwich norm, residual, post-norm."""
         if self.scale != 1.0:
             y = y * self.scale
         if self.norm_out is not None:
@@ -81,7 +86,7 @@ class Block(nn.Module):
         x = self.combine(x, y)
         if self.post_norm is not None:
             x = self.post_norm(x)
-        return x, attn, h
+        return x
 
 
 class AttentionLayers(nn.Module):

@@ -117,27 +117,27 @@ class SequenceWrapper(nn.Module):
             return AttentionLayers.next_positions(n, None, state, device) - self.num_memory_tokens
         return torch.arange(n, device=device)[None]
 
+    def add_positions(self, h: Tensor, tok_pos: Tensor) -> Tensor:
+        """Embeddings h (b, n, dim) at token positions tok_pos (b|1, n): plus the absolute
+        positions, then the post-embedding norm and dropout."""
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(tok_pos).to(h.dtype)
+        if self.post_emb_norm is not None:
+            h = self.post_emb_norm(h)
+        return self.emb_dropout(h)
+
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
              mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
              return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None,
              prefix_len: Tensor | int | None = None) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
         tok_pos = self._positions(n, pos, state, h.device)
-        if self.bounded:
-            needed = 0
-            if not checks.tracing():
-                needed = int(tok_pos.max()) + 1
-            elif pos is None and state is None:     # a traced graph knows only the default 0 .. n-1
-                needed = n
-            if needed > self.max_seq_len:
-                raise ValueError(
-                    f"x needs {needed} positions but max_seq_len={self.max_seq_len} and the learned absolute "
-                    "positions cannot go beyond it (use rotary_pos_emb / alibi_pos_emb / rel_pos_bias)")
-        if self.pos_emb is not None:
-            h = h + self.pos_emb(tok_pos).to(h.dtype)
-        if self.post_emb_norm is not None:
-            h = self.post_emb_norm(h)
-        h = self.emb_dropout(h)
+        if self.bounded and checks.tracing():
+            if pos is None and state is None:       # a traced graph knows only the default 0 .. n-1
+                checks.seq_len(n, self.max_seq_len)
+        elif self.bounded:
+            checks.seq_len(int(tok_pos.max()) + 1, self.max_seq_len)
+        h = self.add_positions(h, tok_pos)
         stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
         prefix = self.memory_tokens is not None and (state is None or state.length == 0)
         if prefix:
@@ -248,6 +248,16 @@ class TransformerWrapper(SequenceWrapper):
             return x @ self.token_emb.weight.t()
         return self.to_logits(x)
 
+    def embed(self, x: Tensor, embed_ids: dict[str, Tensor] | None = None) -> Tensor:
+        """Token ids (b, n) -> (b, n, dim): the token embedding, projected from emb_dim, plus the
+        extra embeddings (their id 0 where `embed_ids` does not give one)."""
+        h = self.token_emb(x)
+        if self.project_emb is not None:
+            h = self.project_emb(h)
+        if self.embeds is not None:
+            h = self.embeds(h, embed_ids or {})
+        return h
+
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
@@ -261,11 +271,7 @@ class TransformerWrapper(SequenceWrapper):
             if self.embeds is None:
                 raise ValueError("embed_ids was given, but the model has no extra embeddings (embed_num_tokens)")
             self.embeds.check(embed_ids, x)
-        h = self.token_emb(x)
-        if self.project_emb is not None:
-            h = self.project_emb(h)
-        if self.embeds is not None:
-            h = self.embeds(h, embed_ids or {})
+        h = self.embed(x, embed_ids)
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
                                           pos, state, prefix_len)

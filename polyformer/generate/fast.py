@@ -26,10 +26,9 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from .. import checks
-from ..embedding import LearnedPositions
+from ..attention.projection import split_heads
 from ..feedforward import FeedForward
 from ..interfaces import KV
-from ..norm import LayerNorm
 from ..memory.kv_cache import DecodeState
 from ..residual import Add
 from ..wrappers import TransformerWrapper
@@ -42,44 +41,29 @@ def _hooked(model: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def _call(module: nn.Module | None) -> Callable[[Tensor], Tensor] | None:
-    """A callable equal to `module(x)` without nn.Module's call machinery (hooks are refused
-    beforehand): F.linear / F.layer_norm over the module's own tensors for the common types, its
-    `forward` otherwise. Made per generate call, so the tensors are the module's current ones."""
-    if module is None:
-        return None
-    if type(module) is nn.Linear:
-        weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
-    if type(module) is LayerNorm:
-        shape, weight, bias, eps, forward = (module.normalized_shape, module.weight, module.bias, module.eps,
-                                             module.forward)
-        return lambda x: F.layer_norm(x, shape, weight, bias, eps) if x.dtype == torch.float32 else forward(x)
-    return module.forward
+def _call(module: nn.Module | None) -> Callable | None:
+    """`module.forward`: the module without nn.Module's call machinery (hooks are refused beforehand)."""
+    return module.forward if module is not None else None
 
 
 class _Block:
-    """One block's stages, resolved to callables."""
+    """One block's stages, resolved to callables once per generate call."""
 
     def __init__(self, block: nn.Module):
+        self.block = block
         self.attention = block.kind == "a"
-        self.norm_in, self.norm_out = _call(block.norm_in), _call(block.norm_out)
-        self.post_norm = _call(block.post_norm)
-        self.scale = block.scale
-        self.combine = None if type(block.combine) is Add else block.combine.forward
-        self.shift = (block.shift.forward, block.shift.reach) if block.shift is not None else (None, 0)
-        self.index = block.index
+        self.norm_in = _call(block.norm_in)
+        self.plain_join = (type(block.combine) is Add and block.scale == 1.0 and block.norm_out is None
+                           and block.post_norm is None)
         branch = block.branch
         if self.attention:
-            project, output = branch.project, branch.output
+            project = branch.project
             self.qkv, self.split = _call(project.to_qkv), project.split
             self.heads = (project.heads, project.kv_heads, project.v_heads)
-            self.position = branch.position.forward if branch.position is not None else None
+            self.position = _call(branch.position)
             self.layer, self.kernel = branch.layer, branch.kernel.forward
-            self.memory_kv = branch.memory_kv.forward if branch.memory_kv is not None else None
-            plain = output.gate is None and not output.on_attn
-            self.merged_out = _call(output.proj) if plain else None      # merge heads, then project
-            self.output = output.forward
+            self.memory_kv = _call(branch.memory_kv)
+            self.output = branch.output.forward
         else:
             self.proj_in, self.act, self.proj_out = _call(branch.proj_in), _call(branch.act), _call(branch.proj_out)
             self.glu = branch.glu
@@ -88,17 +72,12 @@ class _Block:
                  prev_scores: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The block's output, and the attention scores a later block adds (residual attention)."""
         h = self.norm_in(x) if self.norm_in is not None else x
-        if self.shift[0] is not None:           # the shift reaches back into earlier steps' inputs
-            shift, reach = self.shift
-            window, window_mask = state.shift_window(self.index, h, reach)
-            h = shift(window, window_mask)[:, -1:]
+        if self.block.shift is not None:
+            h = self.block.shifted(h, state)
         if self.attention:
             q, k, v = self.qkv(h).split(self.split, dim=-1)
-            b = q.shape[0]
             heads, kv_heads, v_heads = self.heads
-            q = q.view(b, 1, heads, -1).transpose(1, 2)
-            k = k.view(b, 1, kv_heads, -1).transpose(1, 2)
-            v = v.view(b, 1, v_heads, -1).transpose(1, 2)
+            q, k, v = split_heads(q, heads), split_heads(k, kv_heads), split_heads(v, v_heads)
             if self.position is not None:
                 q, k = self.position(q, k, pos, pos)
             kv = KV(*state.write(self.layer, k, v), pos=None, mask=None)
@@ -106,21 +85,10 @@ class _Block:
                 kv = self.memory_kv(kv)
             keep, bias = masks(kv.free)
             attended = self.kernel(q, kv, mask=keep, bias=bias, causal=False, prev_scores=prev_scores)
-            out, prev_scores = attended.out, attended.scores
-            if self.merged_out is not None:
-                y = self.merged_out(out.transpose(1, 2).reshape(b, 1, -1))
-            else:
-                y = self.output(out, h)
+            y, prev_scores = self.output(attended.out, h), attended.scores
         else:                                   # eval mode: dropout is the identity
             y = FeedForward.compute(h, self.proj_in, self.act, self.proj_out, self.glu)
-        if self.scale != 1.0:
-            y = y * self.scale
-        if self.norm_out is not None:
-            y = self.norm_out(y)
-        x = x + y if self.combine is None else self.combine(x, y)
-        if self.post_norm is not None:
-            x = self.post_norm(x)
-        return x, prev_scores
+        return (x + y if self.plain_join else self.block.join(x, y)), prev_scores
 
 
 class FastStep:
@@ -137,14 +105,8 @@ class FastStep:
         self.blocks = [_Block(block) for block in stack.blocks]
         self.final_norm = _call(stack.final_norm)
         self.num_layers = stack.num_self_attn
-        self.embed, self.pos_emb = _call(net.token_emb), _call(net.pos_emb)
-        self.post_emb_norm = _call(net.post_emb_norm)
-        self.project_emb = _call(net.project_emb)
-        self.extra_embeds = net.embeds.forward if net.embeds is not None else None     # their id 0 at every step
-        self.bounded = isinstance(net.pos_emb, LearnedPositions)
         self.memory_tokens = net.num_memory_tokens
-        self.score_bias = stack.shared_bias.forward if stack.shared_bias is not None else None
-        self.head = _call(net.to_logits) if net.to_logits is not None else net.head
+        self.score_bias = _call(stack.shared_bias)
 
     @staticmethod
     def unsupported(net: nn.Module) -> str | None:
@@ -184,18 +146,9 @@ class FastStep:
         checks.token_ids(x, net.num_tokens)
         pos = state.pos[:, state.length - 1: state.length] + 1            # (b, 1): after each row's last
         tok_pos = pos - self.memory_tokens if self.memory_tokens else pos  # memory tokens lead the state
-        if self.bounded and int(tok_pos.max()) + 1 > net.max_seq_len:
-            raise ValueError(f"x needs {int(tok_pos.max()) + 1} positions but max_seq_len={net.max_seq_len} and the "
-                             "learned absolute positions cannot go beyond it")
-        h = self.embed(x)
-        if self.project_emb is not None:
-            h = self.project_emb(h)
-        if self.extra_embeds is not None:
-            h = self.extra_embeds(h, {})
-        if self.pos_emb is not None:
-            h = h + self.pos_emb(tok_pos).to(h.dtype)
-        if self.post_emb_norm is not None:
-            h = self.post_emb_norm(h)
+        if net.bounded:
+            checks.seq_len(int(tok_pos.max()) + 1, net.max_seq_len)
+        h = net.add_positions(net.embed(x), tok_pos)
         state.begin(pos, None)
         end = state.length + 1
         keep = state.mask[:, None, None, :end] if state.padded else None
@@ -220,7 +173,7 @@ class FastStep:
         state.commit()
         if self.final_norm is not None:
             h = self.final_norm(h)
-        return self.head(h)
+        return net.head(h)
 
 
 def fast_step(net: nn.Module) -> FastStep | None:
