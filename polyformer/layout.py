@@ -26,6 +26,19 @@ def is_input_major(weight: torch.Tensor) -> bool:
     return weight.ndim == 2 and weight.t().is_contiguous() and not weight.is_contiguous()
 
 
+def linear_layers(model: nn.Module, skip: tuple[str, ...] = ()) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of every `nn.Linear` of `model` not named in `skip` (names as in
+    `named_modules`); an unknown name in `skip` is refused. Shared by `input_major` and
+    `quantize_int8`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    names = {name for name, _ in model.named_modules()}
+    unknown = [s for s in skip if s not in names]
+    if unknown:
+        raise ValueError(f"skip: no module named {unknown} in the model")
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in skip]
+
+
 def input_major(model: nn.Module, only_expanding: bool = True, skip: tuple[str, ...] = ()) -> nn.Module:
     """Re-lay every `nn.Linear` weight of `model` input-major, in place (see the module docstring).
 
@@ -37,18 +50,13 @@ def input_major(model: nn.Module, only_expanding: bool = True, skip: tuple[str, 
     Returns the model. A weight shared with another module (a tied head) is left as it is, so the
     embedding that shares it keeps its layout.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    names = {name for name, _ in model.named_modules()}
-    unknown = [s for s in skip if s not in names]
-    if unknown:
-        raise ValueError(f"skip: no module named {unknown} in the model")
+    targets = linear_layers(model, skip)
     users: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             users[id(p)] = users.get(id(p), 0) + 1
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or name in skip or users[id(m.weight)] > 1:
+    for name, m in targets:
+        if users[id(m.weight)] > 1:
             continue
         if only_expanding and m.out_features <= m.in_features:
             continue

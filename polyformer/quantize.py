@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention.projection import Projection
+from .layout import linear_layers
+
 QMAX = 127
 
 
@@ -46,7 +49,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(out_features, device=device))
-        self._scale_bf16: Tensor | None = None    # the kernel's copy of `scale`, made on first use
+        # the kernel's copy of `scale`: moves with the module, refreshed when scales are loaded
+        self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16), persistent=False)
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     @classmethod
@@ -58,6 +62,7 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(linear.weight)
         new.qweight.copy_(q)
         new.scale.copy_(scale)
+        new.scale_bf16.copy_(scale)
         if linear.bias is not None:
             new.bias.copy_(linear.bias.detach().float())
         return new
@@ -70,17 +75,16 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu" and _packed_kernel() and x.dtype in (torch.float32, torch.bfloat16):
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            if self._scale_bf16 is None or self._scale_bf16.device != self.scale.device:
-                self._scale_bf16 = self.scale.to(torch.bfloat16)
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self._scale_bf16)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale_bf16)
             y = y.view(*x.shape[:-1], self.out_features)
             return (y if self.bias is None else y + self.bias).to(x.dtype)   # bias added in float32
         w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
         return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._scale_bf16 = None                    # new scales: the kernel's copy is stale
         super()._load_from_state_dict(*args, **kwargs)
+        with torch.no_grad():
+            self.scale_bf16.copy_(self.scale)          # new scales: refresh the kernel's copy
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
@@ -89,17 +93,17 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
     """Replace every `nn.Linear` of `model` (in place) by an `Int8Linear`; `skip` lists module names
     (as in `named_modules`, e.g. "to_logits") to leave in floating point. Returns the model, in
-    eval mode. Refuses a model whose parameters require gradients while it is training."""
+    eval mode. Refuses a model whose parameters require gradients while it is training. The q|k|v
+    projection of position-infused attention stays in floating point (it splits its weight per call)."""
     if model.training and any(p.requires_grad for p in model.parameters()):
         raise ValueError("model: quantize_int8 is for inference; call model.eval() first "
                          "(int8 weights are buffers and would not be trained)")
-    names = {name for name, _ in model.named_modules()}
-    unknown = [s for s in skip if s not in names]
-    if unknown:
-        raise ValueError(f"skip: no module named {unknown} in the model")
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and name not in skip]
-    for name, linear in targets:
+    # a position-infused projection reads its weight in the forward pass: it stays in floating point
+    infused = {f"{name}.to_qkv" for name, m in model.named_modules()
+               if isinstance(m, Projection) and m.infusion is not None}
+    for name, linear in linear_layers(model, skip):
+        if name in infused:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear.from_linear(linear))

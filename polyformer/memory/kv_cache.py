@@ -41,10 +41,16 @@ class DecodeState:
         """A state over existing storage, written in place (not copied): the tensors of another
         state, e.g. the inputs of an exported decode step (`polyformer.export.DecodeStep`). Its
         cached positions may be padding, so the key mask is always applied."""
+        return cls._wrap(k, v, pos, mask, length=length, prefix=prefix, padded=True)
+
+    @classmethod
+    def _wrap(cls, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, *, length: int, prefix: int, padded: bool,
+              pending: int = 0, cross: dict | None = None, shift: dict | None = None) -> "DecodeState":
+        """A state over the given tensors, every field set (the one place besides __init__)."""
         new = cls.__new__(cls)
         new.k, new.v, new.pos, new.mask = k, v, pos, mask
-        new.length, new.prefix, new.padded, new.pending = length, prefix, True, 0
-        new.cross, new.shift = {}, {}
+        new.length, new.prefix, new.padded, new.pending = length, prefix, padded, pending
+        new.cross, new.shift = cross or {}, shift or {}
         return new
 
     @property
@@ -130,13 +136,10 @@ class DecodeState:
 
     def clone(self) -> "DecodeState":
         """An independent copy (e.g. one cached prompt, many continuations)."""
-        new = DecodeState.__new__(DecodeState)
-        new.k, new.v = self.k.clone(), self.v.clone()
-        new.pos, new.mask = self.pos.clone(), self.mask.clone()
-        new.length, new.pending, new.prefix, new.padded = self.length, self.pending, self.prefix, self.padded
-        new.cross = dict(self.cross)          # context keys are never written after they are made
-        new.shift = {i: h.clone() for i, h in self.shift.items()}
-        return new
+        return self._wrap(self.k.clone(), self.v.clone(), self.pos.clone(), self.mask.clone(), length=self.length,
+                          prefix=self.prefix, padded=self.padded, pending=self.pending,
+                          cross=dict(self.cross),     # context keys are never written after they are made
+                          shift={i: h.clone() for i, h in self.shift.items()})
 
     def reorder(self, indices: Tensor) -> None:
         """Keep batch rows `indices` (beam search), in that order."""
