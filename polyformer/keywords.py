@@ -95,7 +95,7 @@ KEYWORDS: dict[str, Route] = {
     "rotary_base": Route("attention.rotary_base", float),
     "rotary_interleaved": Route("attention.rotary_interleaved"),
     "rotary_interpolation_factor": Route("attention.rotary_interpolation", float),
-    "rotary_llama3_scaling": Route("attention.rotary_llama3", lambda arg: _llama3(arg)),
+    "rotary_llama3_scaling": Route("attention.rotary_llama3", _llama3),
     "position_infused_attn": flag(attention__position="infused"),
     "rel_pos_bias": flag(attention__bias="t5"),
     "rel_pos_num_buckets": Route("attention.rel_pos_num_buckets"),

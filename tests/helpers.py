@@ -13,8 +13,12 @@ WRAPPER_KEYS = ("num_memory_tokens", "max_mem_len", "shift_mem_down", "emb_dropo
 
 
 def tiny_lm(stack: type[AttentionLayers] = Decoder, num_tokens: int = 64, max_seq_len: int = 32,
-            dim: int = 32, depth: int = 2, heads: int = 4, **keywords: Any) -> TransformerWrapper:
-    """A TransformerWrapper over a tiny stack; wrapper keywords and layer keywords may be mixed."""
+            dim: int = 32, depth: int = 2, heads: int = 4, seed: int | None = None,
+            **keywords: Any) -> TransformerWrapper:
+    """A TransformerWrapper over a tiny stack, in eval mode; wrapper keywords and layer keywords may
+    be mixed. `seed`: the initial weights are drawn after torch.manual_seed(seed)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     wrap = {k: keywords.pop(k) for k in list(keywords) if k in WRAPPER_KEYS}
     layers = stack(dim=dim, depth=depth, heads=heads, **keywords)
     return TransformerWrapper(num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=layers, **wrap).eval()

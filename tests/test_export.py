@@ -19,8 +19,7 @@ SHAPES = [(2, 12), (1, 5), (3, 32), (4, 1)]        # batch and length both vary;
 
 def gpt(**keywords) -> TransformerWrapper:
     """The README's GPT-style model, scaled down: `tiny_lm` with seed 0."""
-    torch.manual_seed(0)
-    return tiny_lm(**keywords)
+    return tiny_lm(seed=0, **keywords)
 
 
 def test_plain_torch_export_works_on_the_model_itself():

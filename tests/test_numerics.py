@@ -33,8 +33,7 @@ CONFIGS = {
 
 def lm(stack=Decoder, max_seq_len: int = 512, depth: int = 1, **keywords) -> TransformerWrapper:
     """`tiny_lm` with seed 0, one block and room for long sequences (callers set the mode)."""
-    torch.manual_seed(0)
-    return tiny_lm(stack, max_seq_len=max_seq_len, depth=depth, **keywords)
+    return tiny_lm(stack, max_seq_len=max_seq_len, depth=depth, seed=0, **keywords)
 
 
 def padding(b: int, n: int) -> torch.Tensor:

@@ -47,8 +47,7 @@ def test_fallback_is_the_exact_float_product(monkeypatch):
 
 
 def _model(**keywords):
-    torch.manual_seed(0)
-    return perturb(tiny_lm(dim=64, heads=4, **keywords), scale=0.05)
+    return perturb(tiny_lm(dim=64, heads=4, seed=0, **keywords), scale=0.05)
 
 
 @pytest.mark.parametrize("keywords", [{}, {"rotary_pos_emb": True, "attn_kv_heads": 2, "ff_glu": True},

@@ -313,20 +313,23 @@ def evaluate_run(run_dir: str, batches: int | None = None) -> int:
     return 0
 
 
+def prepare_for_sampling(model: nn.Module, int8: bool) -> nn.Module:
+    """The weights as batch-1 decoding on a CPU reads them fastest (`load_run` builds on the CPU):
+    int8 (`quantize_int8`, changes the numbers) or input-major float32 (`input_major`, the same
+    values)."""
+    from ..layout import input_major
+    from ..quantize import quantize_int8
+
+    return quantize_int8(model.eval()) if int8 else input_major(model)
+
+
 def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
              p: float | None, seed: int, int8: bool = False) -> int:
     settings, model, data = load_run(run_dir)
-    if int8:
-        from ..quantize import quantize_int8
-
-        quantize_int8(model.eval())
-    elif next(model.parameters()).device.type == "cpu":     # batch-1 decoding streams the weights: see layout.py
-        from ..layout import input_major
-
-        input_major(model)
     if settings.train.objective not in ("lm", "prefix_lm"):
         raise SystemExit(f"polyformer generate: a {settings.train.objective!r} run does not generate text")
     if max_new_tokens < 1:
         raise SystemExit("polyformer generate: --max-new-tokens must be >= 1")
+    prepare_for_sampling(model, int8)
     print(sample(model, data.tokenizer, prompt if prompt is not None else "\n", max_new_tokens, temperature, k, p, seed))
     return 0
