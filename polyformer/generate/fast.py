@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks

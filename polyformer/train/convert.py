@@ -18,14 +18,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..build import build_model
 from ..interop.hf import CONFIG, TOKENIZER, load_hf, save_hf
 from ..wrappers import TransformerWrapper
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .files import fsync_dir
-from .run import load_run_config, run_config, save_run_config
+from .run import load_run_config, model_from_run, run_config, save_run_config
 from .settings import resolve, to_dict
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from .tokenizer import FILENAME as RUN_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EVAL_CONTEXT = 1024          # default --model.max_seq_len of a converted run: eval's sequence length
@@ -107,7 +106,7 @@ def to_hf_dir(run_dir: str, out: str) -> int:
     _fresh(target)
     try:
         config = load_run_config(run)
-        model = build_model(config["model"])
+        model = model_from_run(run)
         load_checkpoint(resume_checkpoint(run), model, rng=False)
     except (FileNotFoundError, ValueError) as error:
         raise _fail(str(error)) from None
@@ -116,10 +115,10 @@ def to_hf_dir(run_dir: str, out: str) -> int:
     origin = config.get("train", {}).get("converted_from") or {}
     special: dict[str, Any] = {k: v for k, v in (origin.get("config") or {}).items() if k in SPECIAL_IDS}
     tokenizer_json = None
-    if (run / TOKENIZER).is_file():
+    if (run / RUN_TOKENIZER).is_file():
         tokenizer = load_tokenizer(run)
         if not isinstance(tokenizer, ByteTokenizer):
-            tokenizer_json = tokenizer.tokenizer.to_str()
+            tokenizer_json = tokenizer.to_json()
     try:
         save_hf(model.eval(), target, tokenizer_json=tokenizer_json, **special)
     except (ValueError, FileExistsError) as error:

@@ -124,7 +124,55 @@ def _tokenizers() -> Any:
     return tokenizers
 
 
-class BPETokenizer:
+class _TokenizersBacked:
+    """What a tokenizer kept as a `tokenizers.Tokenizer` does the same way whatever its kind:
+    sizes, encoding (with or without the tokenizer's own post-processing), decoding, saving."""
+
+    kind: str
+    specials: tuple[str, ...] = ()
+    post_process = False                # add the tokenizer's own special tokens when encoding
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def _text(text: bytes | str) -> str:
+        return text.decode("utf-8", errors="replace") if isinstance(text, (bytes, bytearray)) else text
+
+    def encode(self, text: bytes | str) -> list[int]:
+        return self.tokenizer.encode(self._text(text), add_special_tokens=self.post_process).ids
+
+    def encode_batch(self, texts: Sequence[bytes | str]) -> list[list[int]]:
+        """Like `encode` on each text, run in parallel."""
+        encoded = self.tokenizer.encode_batch([self._text(t) for t in texts], add_special_tokens=self.post_process)
+        return [e.ids for e in encoded]
+
+    def decode(self, ids: Iterable[int] | Tensor) -> str:
+        """The text of ids, special tokens kept; ids outside the vocabulary are refused."""
+        ids = _ids(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={self.vocab_size})")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The `tokenizers` tokenizer.json text (what a Hugging Face model directory holds)."""
+        return self.tokenizer.to_str()
+
+    def save(self, directory: str | Path) -> Path:
+        return _write(directory, {"kind": self.kind, "specials": list(self.specials),
+                                  "tokenizers": json.loads(self.to_json())})
+
+    def __repr__(self) -> str:
+        extra = f", specials={self.specials}" if self.specials else ""
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}{extra})"
+
+
+class BPETokenizer(_TokenizersBacked):
     """Byte-level BPE (arXiv:1508.07909, GPT-2's byte-level alphabet) from the `tokenizers`
     package. Special tokens follow the learned vocabulary (the last k ids). Any text round-trips exactly (no unknown token); bytes
     are read as UTF-8, invalid sequences becoming U+FFFD. Text that spells a special token
@@ -133,8 +181,8 @@ class BPETokenizer:
     kind = "bpe"
 
     def __init__(self, tokenizer: Any, specials: Iterable[str] = ()):
+        super().__init__(tokenizer)
         self.specials = _check_specials(specials)
-        self.tokenizer = tokenizer
         self.tokenizer.encode_special_tokens = True    # literal "<mask>" in the data stays text
 
     @classmethod
@@ -159,10 +207,6 @@ class BPETokenizer:
         return cls(tokenizer, specials)
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
     def ordinary_vocab_size(self) -> int:
         """Ids below this are ordinary tokens; the specials come after."""
         return self.vocab_size - len(self.specials)
@@ -172,39 +216,8 @@ class BPETokenizer:
             raise _unknown(special, self.specials)
         return self.tokenizer.token_to_id(special)
 
-    @staticmethod
-    def _text(text: bytes | str) -> str:
-        return text.decode("utf-8", errors="replace") if isinstance(text, (bytes, bytearray)) else text
 
-    def encode(self, text: bytes | str) -> list[int]:
-        return self.tokenizer.encode(self._text(text), add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[bytes | str]) -> list[list[int]]:
-        """Like `encode` on each text, run in parallel."""
-        encoded = self.tokenizer.encode_batch([self._text(t) for t in texts], add_special_tokens=False)
-        return [e.ids for e in encoded]
-
-    def decode(self, ids: Iterable[int] | Tensor) -> str:
-        return _decode_with(self.tokenizer, ids, self.vocab_size)
-
-    def save(self, directory: str | Path) -> Path:
-        return _write(directory, {"kind": self.kind, "specials": list(self.specials),
-                                  "tokenizers": json.loads(self.tokenizer.to_str())})
-
-    def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size}, specials={self.specials})"
-
-
-def _decode_with(tokenizer: Any, ids: Iterable[int] | Tensor, vocab_size: int) -> str:
-    """A `tokenizers.Tokenizer`'s text for ids, special tokens kept; ids outside the vocabulary refused."""
-    ids = _ids(ids)
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside [0, vocab_size={vocab_size})")
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-class HFTokenizer:
+class HFTokenizer(_TokenizersBacked):
     """A Hugging Face `tokenizer.json` kept as it is (BPE, WordPiece or Unigram: the `tokenizers`
     package reads any of them), for runs converted from a Hugging Face model directory
     (`polyformer convert --from-hf`). `encode` gives the ids the Hugging Face tokenizer gives by
@@ -212,10 +225,7 @@ class HFTokenizer:
     written in the text become their ids, as there."""
 
     kind = "hf"
-    specials: tuple[str, ...] = ()
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+    post_process = True
 
     @classmethod
     def from_file(cls, path: str | Path) -> "HFTokenizer":
@@ -226,10 +236,6 @@ class HFTokenizer:
             raise ValueError(f"{str(path)!r} is not a tokenizer.json the `tokenizers` package reads ({error})") from error
 
     @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
     def ordinary_vocab_size(self) -> int:
         return self.vocab_size
 
@@ -238,25 +244,6 @@ class HFTokenizer:
         if i is None:
             raise KeyError(f"unknown special token {special!r} in this Hugging Face tokenizer")
         return i
-
-    def encode(self, text: bytes | str) -> list[int]:
-        return self.tokenizer.encode(BPETokenizer._text(text)).ids
-
-    def encode_batch(self, texts: Sequence[bytes | str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch([BPETokenizer._text(t) for t in texts])]
-
-    def decode(self, ids: Iterable[int] | Tensor) -> str:
-        return _decode_with(self.tokenizer, ids, self.vocab_size)
-
-    def to_json(self) -> str:
-        """The Hugging Face tokenizer.json text."""
-        return self.tokenizer.to_str()
-
-    def save(self, directory: str | Path) -> Path:
-        return _write(directory, {"kind": self.kind, "specials": [], "tokenizers": json.loads(self.tokenizer.to_str())})
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(vocab_size={self.vocab_size})"
 
 
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | BPETokenizer | HFTokenizer:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..build import build_model
 from ..generate.decode import AutoregressiveWrapper
 from ..generate.sampling import top_k, top_p
 from .batches import Batches
@@ -27,7 +26,7 @@ from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
-from .run import CONFIG, load_run_config, run_config, save_run_config
+from .run import CONFIG, load_run_config, model_from_run, run_config, save_run_config
 from .settings import RunSettings, from_dict, resolve, to_dict
 from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
                     train_batches)
@@ -300,7 +299,7 @@ def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
         raise SystemExit(f"polyformer: {str(path)!r} was converted from the Hugging Face directory "
                          f"{origin.get('directory')!r}, which has no tokenizer.json, so it cannot read a prompt or a "
                          "corpus: put the model's tokenizer.json beside its config.json and convert again")
-    model = build_model(config["model"])
+    model = model_from_run(path)
     load_checkpoint(resume_checkpoint(path), model, rng=False)
     return settings, model.eval(), load_data(settings, path, fresh=False)
 
