@@ -15,29 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-import time
 
 import torch
 
-from .common import Competitor, alternating_rounds, environment, markdown_table, set_threads, write_report
-
-DIM, DEPTH, HEADS, VOCAB, MAX_SEQ_LEN = 512, 6, 8, 256, 512
-
-
-def model() -> torch.nn.Module:
-    from polyformer import AutoregressiveWrapper, Decoder, TransformerWrapper
-
-    torch.manual_seed(0)
-    net = TransformerWrapper(num_tokens=VOCAB, max_seq_len=MAX_SEQ_LEN,
-                             attn_layers=Decoder(dim=DIM, depth=DEPTH, heads=HEADS))
-    return AutoregressiveWrapper(net).eval()
+from .common import (Competitor, alternating_rounds, environment, log, markdown_table, set_threads, time_once,
+                     write_report)
+from .generation import DIM, DEPTH, HEADS, VOCAB, polyformer_model
 
 
 def first_call(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return time_once(fn)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch._inductor.config.force_disable_caches = True     # a cold compile, whatever ran before
     load_start = list(os.getloadavg())
-    ar = model()
+    ar = polyformer_model()
     prompt = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
     batch = torch.randint(0, VOCAB, (4, 128), generator=torch.Generator().manual_seed(1))
     new = args.new_tokens
@@ -67,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     equal = torch.equal(generate(True)(), generate(False)())
     with torch.no_grad():
         forward_err = (compiled_net(batch) - ar.net(batch)).abs().max().item()
-    print(f"compile: {compile_s}; greedy tokens equal: {equal}; forward max |diff| {forward_err:.2e}", file=sys.stderr)
+    log(f"compile: {compile_s}; greedy tokens equal: {equal}; forward max |diff| {forward_err:.2e}")
 
     gen = [Competitor("generate, eager", generate(False), new), Competitor("generate, compile=True", generate(True), new)]
     fwd = [Competitor("forward, eager", forward_eager, batch.numel()),
            Competitor("forward, torch.compile", forward_compiled, batch.numel())]
     for group in (gen, fwd):
-        alternating_rounds(group, args.repeats, log=lambda s: print(s, file=sys.stderr))
+        alternating_rounds(group, args.repeats, log=log)
 
     def ms(c: Competitor, per: int = 1, cpu: bool = False) -> float:
         return statistics.median(c.cpu_seconds if cpu else c.seconds) / c.units * per * 1e3

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import (Competitor, alternating_rounds, environment, markdown_table, set_threads,
+from .common import (Competitor, alternating_rounds, environment, log, markdown_table, set_threads,
                      spread, write_report)
 
 DIM, DEPTH, HEADS, VOCAB, MAX_SEQ_LEN = 512, 6, 8, 256, 512
@@ -52,22 +52,14 @@ def polyformer_model(kv_heads: int | None = None, seed: int = 0) -> torch.nn.Mod
     return AutoregressiveWrapper(net).eval()
 
 
-def int8_model(seed: int = 0) -> torch.nn.Module:
-    """The float32 model's weights, quantized to int8 per row (`polyformer.quantize_int8`)."""
-    from polyformer import quantize_int8
+def transformed_model(transform: str, seed: int = 0) -> torch.nn.Module:
+    """The float32 model with its weights stored for decoding by `polyformer.<transform>` applied
+    to its net: "input_major" (the same values, another memory layout) or "quantize_int8" (int8
+    per row)."""
+    import polyformer
 
     model = polyformer_model(seed=seed)
-    quantize_int8(model.net)
-    return model
-
-
-def input_major_model(seed: int = 0) -> torch.nn.Module:
-    """The float32 model with its expanding weights stored input-major (`polyformer.input_major`):
-    the same values and float32 arithmetic, another memory layout."""
-    from polyformer import input_major
-
-    model = polyformer_model(seed=seed)
-    input_major(model.net)
+    getattr(polyformer, transform)(model.net)
     return model
 
 
@@ -346,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    new, log = args.new_tokens, lambda msg: print(msg, file=sys.stderr, flush=True)
+    new = args.new_tokens
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     torch.manual_seed(1234)
@@ -358,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                    Competitor("HF GPT-2", gpt2_run(gpt2_model(), prompt, new), new)]
     competitors += [Competitor(variant_name(k), polyformer_run(poly[k], prompt, new), new)
                     for k in kv_list if k != HEADS]
-    competitors.append(Competitor(LAYOUT, polyformer_run(input_major_model(), prompt, new), new))
+    competitors.append(Competitor(LAYOUT, polyformer_run(transformed_model("input_major"), prompt, new), new))
     if not args.no_int8:
-        quantized = int8_model()
+        quantized = transformed_model("quantize_int8")
         competitors.append(Competitor(INT8, polyformer_run(quantized, prompt, new), new))
     references = [Competitor("reference: matvecs only, (out, in) weights", floor_run(poly[HEADS], new), new),
                   Competitor("reference: matvecs only, expanding weights (in, out)",
