@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import to_dict
-from ..train.files import fsync_dir
+from ..train.files import write_dir_atomic
 from ..wrappers import TransformerWrapper
 from .families import FAMILIES
 from .family import Family, Unsupported
@@ -127,7 +125,10 @@ def to_hf(model: TransformerWrapper, **config: Any) -> nn.Module:
 
 def hf_config_dict(model: TransformerWrapper, **config: Any) -> dict[str, Any]:
     """The config.json `save_hf` writes for `model`."""
-    family, hf_config = describe(model)
+    return _config_dict(model, *describe(model), **config)
+
+
+def _config_dict(model: TransformerWrapper, family: Family, hf_config: dict[str, Any], **config: Any) -> dict[str, Any]:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return {"architectures": [family.main_class], "model_type": family.model_type, **hf_config, "dtype": dtype,
             **config}
@@ -143,28 +144,13 @@ def save_hf(model: TransformerWrapper, directory: str | os.PathLike, *, tokenize
     from safetensors.torch import save_file
 
     family, hf_config = describe(model)
-    target = Path(directory)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{str(target)!r} exists and is not empty: choose a new directory")
     tensors = hf_state_dict(model, family, hf_config, with_tied=False)
-    text = json.dumps(hf_config_dict(model, **config), indent=2, sort_keys=True) + "\n"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    text = json.dumps(_config_dict(model, family, hf_config, **config), indent=2, sort_keys=True) + "\n"
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        files = {CONFIG: text.encode()}
+        (tmp / CONFIG).write_text(text)
         if tokenizer_json is not None:
-            files[TOKENIZER] = tokenizer_json.encode()
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        for name in os.listdir(tmp):
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.replace(tmp, target)             # onto a missing or empty directory
-        fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+            (tmp / TOKENIZER).write_text(tokenizer_json)
+
+    return write_dir_atomic(directory, fill)

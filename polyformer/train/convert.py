@@ -12,16 +12,13 @@ so it is complete or absent. Converted runs are for sampling and evaluation; the
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 from ..interop.hf import CONFIG, TOKENIZER, load_hf, save_hf
 from ..wrappers import TransformerWrapper
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from .files import fsync_dir
+from .files import write_dir_atomic
 from .run import load_run_config, model_from_run, run_config, save_run_config
 from .settings import resolve, to_dict
 from .tokenizer import FILENAME as RUN_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
@@ -78,19 +75,17 @@ def from_hf_dir(hf_dir: str, out: str, ignore: list[str] | None = None,
     train = {"settings": to_dict(settings), "corpus_sha256": None,
              "converted_from": {"directory": str(src.resolve()), "architecture": architecture, "config": hf_config,
                                 "tokenizer": tokenizer is not None}}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
-    try:
+
+    def fill(tmp: Path) -> None:
         save_run_config(tmp, run_config(model, train))
         if tokenizer is not None:
             tokenizer.save(tmp)
         save_checkpoint(tmp, 0, model, None, None, extra={"converted_from": str(src.resolve())}, keep_last=1)
-        fsync_dir(tmp)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    try:
+        write_dir_atomic(target, fill)
+    except FileExistsError as error:
+        raise _fail(f"{error} (nothing was changed)") from None
     params = sum(p.numel() for p in model.parameters())
     note = "" if tokenizer is not None else (" (no tokenizer.json in the model directory: `generate` and `eval` "
                                              "need one, so add it and convert again)")
@@ -103,7 +98,6 @@ def to_hf_dir(run_dir: str, out: str) -> int:
     """Write the newest checkpoint of RUN_DIR as a Hugging Face model directory OUT (config.json,
     model.safetensors, and tokenizer.json when the run has a BPE or Hugging Face tokenizer)."""
     run, target = Path(run_dir), Path(out)
-    _fresh(target)
     try:
         config = load_run_config(run)
         model = model_from_run(run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -40,6 +41,31 @@ def replace_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     replace_atomic(path, lambda f: f.write(data))
+
+
+def write_dir_atomic(target: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
+    """Write the directory `target` whole or not at all: `fill(tmp)` writes into a temporary
+    sibling, whose files are fsynced before it is renamed onto `target` (missing or empty). An
+    existing non-empty target raises FileExistsError before anything is written."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{str(target)!r} exists and is not empty: choose a new directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        for name in os.listdir(tmp):
+            if (tmp / name).is_file():
+                with open(tmp / name, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def sha256_file(path: Path) -> str:
