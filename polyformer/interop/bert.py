@@ -8,7 +8,8 @@ from typing import Any
 
 from ..stack import Encoder
 from ..wrappers import TransformerWrapper
-from .family import Family, Link, Unsupported, activation, activation_name, ff_mult, inner_dim, layer_names
+from .family import (Family, Link, Unsupported, activation, activation_name, ff_mult, head_dim, inner_dim,
+                     layer_names)
 
 DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
             "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512, "type_vocab_size": 2,
@@ -23,9 +24,8 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
     if c["is_decoder"] or c["add_cross_attention"]:
         raise Unsupported("bert: is_decoder / add_cross_attention (BERT as a decoder) is not supported")
     dim, heads = c["hidden_size"], c["num_attention_heads"]
-    if dim % heads:
-        raise Unsupported(f"bert: hidden_size ({dim}) must be a multiple of num_attention_heads ({heads})")
-    layers = dict(dim=dim, depth=c["num_hidden_layers"], heads=heads, attn_dim_head=dim // heads, pre_norm=False,
+    d = head_dim("bert", dim, heads, "hidden_size", "num_attention_heads")
+    layers = dict(dim=dim, depth=c["num_hidden_layers"], heads=heads, attn_dim_head=d, pre_norm=False,
                   attn_qkv_bias=True, attn_out_bias=True, ff_mult=ff_mult(c["intermediate_size"], dim),
                   norm_eps=float(c["layer_norm_eps"]), **activation(c["hidden_act"], "bert", "hidden_act"))
     wrap: dict[str, Any] = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"],

@@ -99,18 +99,30 @@ def inner_dim(model: TransformerWrapper) -> int:
     return int(cfg.dim * cfg.ff.mult)
 
 
+# Hugging Face activation name -> our feedforward activation (the first name of each is the one written)
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "swish",
+               "swish": "swish"}
+ACTIVATION_KEYWORDS = {"gelu": {}, "gelu_tanh": {"ff_gelu_tanh": True}, "swish": {"ff_swish": True}}
+
+
 def activation(name: str, family: str, key: str) -> dict[str, Any]:
     """The stack keyword of a Hugging Face activation name."""
-    table = {"gelu": {}, "gelu_new": {"ff_gelu_tanh": True}, "gelu_pytorch_tanh": {"ff_gelu_tanh": True},
-             "silu": {"ff_swish": True}, "swish": {"ff_swish": True}}
-    if name not in table:
-        raise Unsupported(f"{family}: {key}={name!r} is not supported; supported: {sorted(table)}")
-    return dict(table[name])
+    if name not in ACTIVATIONS:
+        raise Unsupported(f"{family}: {key}={name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return dict(ACTIVATION_KEYWORDS[ACTIVATIONS[name]])
 
 
 def activation_name(model: TransformerWrapper) -> str:
-    return {"gelu": "gelu", "gelu_tanh": "gelu_new", "swish": "silu"}.get(model.attn_layers.cfg.ff.activation,
-                                                                          model.attn_layers.cfg.ff.activation)
+    """The Hugging Face name of the model's activation (its own name when none matches)."""
+    ours = model.attn_layers.cfg.ff.activation
+    return next((theirs for theirs, name in ACTIVATIONS.items() if name == ours), ours)
+
+
+def head_dim(family: str, dim: int, heads: int, dim_key: str, heads_key: str) -> int:
+    """dim // heads; `Unsupported` when heads does not divide dim."""
+    if dim % heads:
+        raise Unsupported(f"{family}: {dim_key} ({dim}) must be a multiple of {heads_key} ({heads})")
+    return dim // heads
 
 
 def layer_names(depth: int, theirs: str) -> Iterator[tuple[str, str, str]]:

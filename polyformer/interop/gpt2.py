@@ -8,8 +8,8 @@ from typing import Any
 
 from ..stack import Decoder
 from ..wrappers import TransformerWrapper
-from .family import (Family, Link, Unsupported, activation, activation_name, ff_mult, head_keywords, head_links,
-                     inner_dim, layer_names)
+from .family import (Family, Link, Unsupported, activation, activation_name, ff_mult, head_dim, head_keywords,
+                     head_links, inner_dim, layer_names)
 
 DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
@@ -25,9 +25,8 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
     if c["add_cross_attention"]:
         raise Unsupported("gpt2: add_cross_attention=True is not supported")
     dim, heads = c["n_embd"], c["n_head"]
-    if dim % heads:
-        raise Unsupported(f"gpt2: n_embd ({dim}) must be a multiple of n_head ({heads})")
-    layers = dict(dim=dim, depth=c["n_layer"], heads=heads, attn_dim_head=dim // heads, attn_qkv_bias=True,
+    d = head_dim("gpt2", dim, heads, "n_embd", "n_head")
+    layers = dict(dim=dim, depth=c["n_layer"], heads=heads, attn_dim_head=d, attn_qkv_bias=True,
                   attn_out_bias=True, ff_mult=ff_mult(c["n_inner"] or 4 * dim, dim),
                   norm_eps=float(c["layer_norm_epsilon"]),
                   **activation(c["activation_function"], "gpt2", "activation_function"))
