@@ -53,7 +53,7 @@ class Batches:
         self.seq_len = integer_at_least("seq_len", seq_len)
         self.batch_size = integer_at_least("batch_size", batch_size)
         self.world_size = integer_at_least("world_size", world_size)
-        checked_rank(rank, world_size)
+        self.rank = checked_rank(rank, world_size)
         if batch_size % world_size:
             raise ValueError(f"batch_size ({batch_size}) must be a multiple of world_size ({world_size})")
         if tokens.numel() < seq_len + 1:
@@ -63,7 +63,6 @@ class Batches:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.tokens = tokens
         self.seed = seed
-        self.rank = rank
         self.step = 0
         self._offsets = torch.arange(seq_len + 1, device=tokens.device)
 
