@@ -78,9 +78,9 @@ def _warm_up(competitors: list[Competitor], warmup: int) -> None:
             c.run()
 
 
-def _rotated(competitors: list[Competitor], r: int) -> list[Competitor]:
+def rotated(items: list, r: int) -> list:
     """Round r's order: starting one further along the list each round."""
-    return competitors[r % len(competitors):] + competitors[:r % len(competitors)]
+    return items[r % len(items):] + items[:r % len(items)]
 
 
 def alternating_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1,
@@ -90,7 +90,7 @@ def alternating_rounds(competitors: list[Competitor], repeats: int, warmup: int 
     load) falls on all of them alike. Times are appended to each competitor's `seconds`."""
     _warm_up(competitors, warmup)
     for r in range(repeats):
-        for c in _rotated(competitors, r):
+        for c in rotated(competitors, r):
             wall, cpu = time_once(c.run)
             c.seconds.append(wall)
             c.cpu_seconds.append(cpu)
@@ -168,7 +168,7 @@ def quiet_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1, m
         if rounds and not rounds[-1]["quiet"]:
             wait_for_quiet()
         entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
-        for c in _rotated(competitors, r):
+        for c in rotated(competitors, r):
             meter = OthersMeter().start()
             wall, cpu = time_once(c.run)
             entry["seconds"][c.name], entry["cpu_seconds"][c.name] = wall, cpu

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import QUIET, OthersMeter, log, markdown_table, pyplot, save_figure, wait_for_quiet
+from .common import QUIET, OthersMeter, log, markdown_table, pyplot, rotated, save_figure, wait_for_quiet
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 LIBRARIES = ("polyformer", "x-transformers", "x-transformers flash", "HF GPT-2")
@@ -68,7 +68,7 @@ def run(quick: bool = False, out_dir: Path | None = None, threads: int = 2, limi
     results: dict[str, dict[str, Any]] = {lib: {} for lib in LIBRARIES}
     failed_at: dict[str, int] = {}
     for n_index, length in enumerate(lengths):
-        order = LIBRARIES[n_index % len(LIBRARIES):] + LIBRARIES[:n_index % len(LIBRARIES)]
+        order = rotated(LIBRARIES, n_index)
         warmup, repeats = schedule(length, quick)
         for lib in order:
             if lib in failed_at:

@@ -65,10 +65,12 @@ def _inference(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-def _check_net(model: object, owner: str) -> TransformerWrapper:
+def _forward_args(model: object, owner: str, example: Tensor | None, mask: bool) -> tuple[Tensor, ...]:
+    """The example inputs of a traced forward: (ids,) or (ids, an all-True mask)."""
     if not isinstance(model, TransformerWrapper):
         raise TypeError(f"{owner} exports a TransformerWrapper, got {type(model).__name__}")
-    return model
+    ids = example if example is not None else example_ids(model)
+    return (ids, torch.ones_like(ids, dtype=torch.bool)) if mask else (ids,)
 
 
 def example_ids(model: TransformerWrapper, batch: int = 2, seq: int = 8) -> Tensor:
@@ -101,9 +103,7 @@ def export_decoder(model: TransformerWrapper, example: Tensor | None = None, mas
         example: (b, n) token ids to trace with, b and n >= 2; default `example_ids(model)`.
         mask: the program also takes a (b, n) bool padding mask, True = keep.
     """
-    model = _check_net(model, "export_decoder")
-    ids = example if example is not None else example_ids(model)
-    args = (ids, torch.ones_like(ids, dtype=torch.bool)) if mask else (ids,)
+    args = _forward_args(model, "export_decoder", example, mask)
     with _inference(model):
         return torch.export.export(model, args, dynamic_shapes=decoder_shapes(model, mask, dynamic_batch, dynamic_seq))
 
@@ -119,8 +119,7 @@ def export_decode_step(model: TransformerWrapper, max_len: int = 8, batch: int =
     The batch size and the state's max_len are symbolic in both; `max_len` and `batch` here only
     size the example inputs.
     """
-    model = _check_net(model, "export_decode_step")
-    step = DecodeStep(model)
+    step = DecodeStep(model)                     # refuses anything but a TransformerWrapper decoder
     if max_len < 4 or batch < 2:
         raise ValueError(f"export_decode_step traces with max_len >= 4 and batch >= 2 (sizes 0 and 1 "
                          f"would be specialised), got max_len={max_len}, batch={batch}")
@@ -147,9 +146,7 @@ def export_onnx(model: TransformerWrapper, path: str | os.PathLike | None = None
     `export_decoder`. Saved to `path` when given; `external_data=True` writes the weights to a
     file beside it (needed above 2 GB). Needs the `onnx` and `onnxscript` packages.
     """
-    model = _check_net(model, "export_onnx")
-    ids = example if example is not None else example_ids(model)
-    args = (ids, torch.ones_like(ids, dtype=torch.bool)) if mask else (ids,)
+    args = _forward_args(model, "export_onnx", example, mask)
     with _inference(model), warnings.catch_warnings():
         # ids and mask share their Dims on purpose; the exporter says so once per axis
         warnings.filterwarnings("ignore", message=".*will not be used, since it shares the same shape constraints")

@@ -68,7 +68,7 @@ def config_of(model: TransformerWrapper) -> dict[str, Any]:
 BERT = Family(
     model_type="bert", classes={"BertModel": ""}, defaults=DEFAULTS,
     derived=(r"embeddings\.(position_ids|token_type_ids)",), build=build, links=links, config_of=config_of,
-    embedding="embeddings.word_embeddings.weight", main_kwargs={"add_pooling_layer": False},
+    embedding="embeddings.word_embeddings.weight", main_kwargs={"add_pooling_layer": False}, base_model="bert",
     notes={"pooler": "BertModel's pooler (tanh of a dense layer on [CLS]) has no place in polyformer: pass "
                      "ignore=['pooler'] to leave it out",
            "cls": "BERT's pre-training heads are not converted: pass ignore=['cls'] to leave them out"})

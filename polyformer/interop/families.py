@@ -18,9 +18,8 @@ def family_of(class_name: str | None, model_type: str | None) -> Family:
         return family
     if family is None or class_name not in family.classes:
         hint = ""
-        if family is not None:
-            hint = (f" (a model with a task head converts through its base model, e.g. "
-                    f"{'model.bert' if family is BERT else 'its base model attribute'})")
+        if family is not None and family.base_model is not None:
+            hint = f" (a model with a task head converts through its base model, model.{family.base_model})"
         raise Unsupported(f"unsupported architecture {class_name!r} (model type {model_type!r}); supported: "
                           f"{', '.join(SUPPORTED)}{hint}")
     return family

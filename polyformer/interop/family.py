@@ -64,6 +64,8 @@ class Family:
     config_of: a polyformer model -> the Hugging Face config that describes it.
     tied_head: the name of the LM head tensor that a tied config shares with the token embedding.
     main_kwargs: keyword arguments of the main class beside its config.
+    base_model: where other task-head models of the family keep a base model that converts (the
+        hint for an unsupported class), or None.
     """
 
     model_type: str
@@ -77,6 +79,7 @@ class Family:
     tied_head: str | None = None
     notes: dict[str, str] = field(default_factory=dict)   # hints for unexpected tensors, by prefix
     main_kwargs: dict[str, Any] = field(default_factory=dict)
+    base_model: str | None = None             # the attribute of a task-head model holding a base model we take
 
     @property
     def main_class(self) -> str:

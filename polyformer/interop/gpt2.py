@@ -65,4 +65,4 @@ def config_of(model: TransformerWrapper) -> dict[str, Any]:
 GPT2 = Family(
     model_type="gpt2", classes={"GPT2LMHeadModel": "transformer.", "GPT2Model": ""}, defaults=DEFAULTS,
     derived=(r"h\.\d+\.attn\.(bias|masked_bias)",), build=build, links=links, config_of=config_of,
-    embedding="wte.weight", tied_head="lm_head.weight")
+    embedding="wte.weight", tied_head="lm_head.weight", base_model="transformer")

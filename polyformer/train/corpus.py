@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor
 
+from .batches import integer_at_least
+
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
@@ -200,8 +202,8 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, max_bytes: int
         ValueError: no text at all ("corpus is empty"), a binary file named explicitly, or
             max_bytes not a positive integer.
     """
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-        raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    if max_bytes is not None:
+        integer_at_least("max_bytes", max_bytes)
     candidates, source = _candidates(paths)
     pieces, total = [], 0
     for name, path, explicit in candidates:

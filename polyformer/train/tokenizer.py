@@ -10,6 +10,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 from torch import Tensor
 
+from .batches import integer_at_least
 from .files import write_atomic
 
 FILENAME = "tokenizer.json"
@@ -191,9 +192,7 @@ class BPETokenizer(_TokenizersBacked):
         specials) reaches vocab_size. Deterministic: the same data gives the same tokenizer."""
         tk = _tokenizers()
         specials = _check_specials(specials)
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256 + len(specials):
-            raise ValueError(f"vocab_size must be an integer >= 256 + len(specials) = {256 + len(specials)}, "
-                             f"got {vocab_size!r}")
+        integer_at_least("vocab_size (256 bytes + the specials at least)", vocab_size, 256 + len(specials))
         text = data.decode("utf-8", errors="replace") if isinstance(data, (bytes, bytearray)) else data
         if not text:
             raise ValueError("cannot train a BPE tokenizer on empty data")

@@ -46,6 +46,16 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
     with pytest.raises(Unsupported, match="'BertForMaskedLM'.*model.bert"):
         from_hf(head)
     assert from_hf(head.bert, ignore=["pooler"]) is not None
+    classifier = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        vocab_size=32, n_embd=8, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(Unsupported, match="'GPT2ForSequenceClassification'.*model.transformer"):
+        from_hf(classifier)
+    assert from_hf(classifier.transformer) is not None
+    llama = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16))
+    with pytest.raises(Unsupported) as err:             # its base model (LlamaModel) has no LM head
+        from_hf(llama)
+    assert "base model" not in str(err.value)
     with pytest.raises(TypeError, match="transformers model"):
         from_hf(torch.nn.Linear(2, 2))
 
