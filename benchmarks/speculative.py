@@ -1,13 +1,16 @@
 """Speculative decoding speed-up with a small draft trained on the same data as the target.
 
-    python -m polyformer train --preset small --out runs/small          # the target
-    python -m polyformer train --preset tiny --steps 400 --out runs/draft   # the draft, same corpus
-    python -m benchmarks.speculative --target runs/small --draft runs/draft [--gammas 2,4,6]
+    # a target of the generation benchmark's shape (dim 512, depth 6, 8 heads, bytes) and a small draft
+    python -m polyformer train --config benchmarks/configs/speculative_target.yaml --out runs/spec-target
+    python -m polyformer train --config benchmarks/configs/speculative_draft.yaml --out runs/spec-draft
+    python -m benchmarks.speculative --target runs/spec-target --draft runs/spec-draft [--gammas 2,4,6]
 
-Greedy decoding, batch 1, one thread, prompts taken from the validation split. Plain cached greedy
-generation of the target and speculative generation alternate; the tokens must be identical (the
-greedy form returns exactly the target's output) and the run exits 1 if they are not.
-"""
+Any two runs on one corpus will do (for example `--preset small` and `--preset tiny`). Greedy
+decoding, batch 1, one thread, prompts taken from the validation split. The target alone, the draft
+alone, speculative generation per gamma and the target's verify call on gamma + 1 tokens alternate;
+the speculative tokens must equal the target's own greedy ones (the run exits 1 if not). The table
+sets the measured speed beside the cost model of Leviathan et al. (section 3.4), fed with the
+measured draft step, verify call and tokens per target call."""
 
 from __future__ import annotations
 
@@ -17,6 +20,22 @@ import sys
 import torch
 
 from .common import Competitor, alternating_rounds, environment, markdown_table, set_threads, write_report
+
+
+def verify_call(target: torch.nn.Module, prompt: torch.Tensor, n: int, calls: int = 20) -> Competitor:
+    """`calls` cached target forwards on n tokens after `prompt`, each rolled back: the verify call of
+    a speculative round, timed alone."""
+    state = target.new_state(1, prompt.shape[1] + n)
+    with torch.no_grad():
+        target(prompt, state=state)
+    tokens = prompt[:, -n:]
+
+    @torch.no_grad()
+    def run() -> None:
+        for _ in range(calls):
+            target(tokens, state=state)
+            state.rollback(n)
+    return Competitor(f"target call on {n} tokens", run, calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,24 +73,47 @@ def main(argv: list[str] | None = None) -> int:
             accepted, proposed, calls = accepted + result.accepted, proposed + result.proposed, calls + result.target_calls
         stats[gamma] = (accepted / max(1, proposed), len(prompts) * args.new_tokens / calls)
     units = len(prompts) * args.new_tokens
+    plain_draft = AutoregressiveWrapper(draft)
     competitors = [Competitor("target alone (cached greedy)",
-                              lambda: [plain.generate(p, args.new_tokens, temperature=0.0) for p in prompts], units)]
+                              lambda: [plain.generate(p, args.new_tokens, temperature=0.0) for p in prompts], units),
+                   Competitor("draft alone (cached greedy)",
+                              lambda: [plain_draft.generate(p, args.new_tokens, temperature=0.0) for p in prompts],
+                              units)]
     competitors += [Competitor(f"speculative, gamma={g}",
                                lambda g=g: [speculative_generate(target, draft, p, args.new_tokens, gamma=g,
                                                                  temperature=0.0) for p in prompts], units)
                     for g in gammas]
-    alternating_rounds(competitors, args.repeats)
-    base = competitors[0].median_per_unit()
-    rows = [[c.name, f"{c.median_per_unit() * 1000:.2f}", f"{base / c.median_per_unit():.2f}x",
-             f"{stats[g][0]:.2f}" if g else "-", f"{stats[g][1]:.2f}" if g else "1.00"]
-            for c, g in zip(competitors, [None] + gammas)]
-    table = markdown_table(["decoding", "ms/token", "speed-up", "acceptance", "tokens per target call"], rows)
+    checks = [verify_call(target, prompts[0], g + 1) for g in gammas]
+    alternating_rounds(competitors + checks, args.repeats)
+    t_target, t_draft = (c.median_per_unit() for c in competitors[:2])
+    rows = [[competitors[0].name, f"{t_target * 1e3:.2f}", "1.00x", "-", "1.00", "-", "-"],
+            [competitors[1].name, f"{t_draft * 1e3:.2f}", "-", "-", "-", "-", "-"]]
+    model = {}
+    for c, check, g in zip(competitors[2:], checks, gammas):
+        acceptance, per_call = stats[g]
+        # Leviathan et al. (arXiv:2211.17192, section 3.4): a round costs gamma draft steps and one
+        # target call on gamma + 1 tokens, and yields `per_call` tokens on average
+        predicted = (g * t_draft + check.median_per_unit()) / per_call
+        model[g] = {"verify_call_ms": check.median_per_unit() * 1e3, "predicted_ms_per_token": predicted * 1e3}
+        rows.append([c.name, f"{c.median_per_unit() * 1e3:.2f}", f"{t_target / c.median_per_unit():.2f}x",
+                     f"{acceptance:.2f}", f"{per_call:.2f}", f"{check.median_per_unit() * 1e3:.2f}",
+                     f"{predicted * 1e3:.2f} ({t_target / predicted:.2f}x)"])
+    table = markdown_table(["decoding", "ms/token", "speed-up", "acceptance", "tokens per target call",
+                            "target call on gamma + 1 tokens, ms", "cost model: ms/token (speed-up)"], rows)
     params = (sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters()))
     text = (f"Target {params[0]:,} parameters ({args.target}), draft {params[1]:,} ({args.draft}); "
             f"{args.prompts} {args.prompt_len}-token validation prompts, {args.new_tokens} new tokens each, greedy, "
-            f"{args.threads} thread(s). Outputs identical to the target's greedy decoding: yes.\n\n{table}\n")
+            f"{args.threads} thread(s), median of {args.repeats} alternating rounds. Outputs identical to the "
+            f"target's greedy decoding: yes.\n\n{table}\n\n"
+            "Cost model (Leviathan et al. 2023, section 3.4): a round runs gamma one-token draft steps and one "
+            "cached target call on gamma + 1 tokens and yields `tokens per target call` tokens, so it predicts "
+            "ms/token = (gamma x draft ms/token + target call ms) / tokens per target call. Speculation pays "
+            "when the target's call on gamma + 1 tokens costs about what one token costs (its weights are read "
+            "once either way) and the draft step is a small fraction of it: draft / target step here = "
+            f"{t_draft / t_target:.2f}.\n")
     print(text)
-    write_report(args.out, {"environment": environment(["torch"]), "rows": rows, "args": vars(args)},
+    write_report(args.out, {"environment": environment(["torch"]), "rows": rows, "cost_model": model,
+                            "args": vars(args)},
                  "# Speculative decoding\n\nCommand: `python -m benchmarks.speculative "
                  + " ".join(argv or sys.argv[1:]) + "`\n\n" + text)
     return 0
