@@ -38,6 +38,20 @@ def verify_call(target: torch.nn.Module, prompt: torch.Tensor, n: int, calls: in
     return Competitor(f"target call on {n} tokens", run, calls)
 
 
+def products_call(target: torch.nn.Module, n: int, calls: int = 20) -> Competitor:
+    """`calls` rounds of the target's linear layers alone on n rows each (its own weights, no
+    attention, norms or Python around them): what the verify call's matrix products cost."""
+    layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, n, m.in_features) for m in layers]
+
+    @torch.no_grad()
+    def run() -> None:
+        for _ in range(calls):
+            for layer, x in zip(layers, inputs):
+                layer(x)
+    return Competitor(f"linear layers on {n} rows", run, calls)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True)
@@ -84,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                  temperature=0.0) for p in prompts], units)
                     for g in gammas]
     checks = [verify_call(target, prompts[0], g + 1) for g in gammas]
-    alternating_rounds(competitors + checks, args.repeats)
+    products = [products_call(target, n) for n in [1] + [g + 1 for g in gammas]]
+    alternating_rounds(competitors + checks + products, args.repeats)
     t_target, t_draft = (c.median_per_unit() for c in competitors[:2])
-    rows = [[competitors[0].name, f"{t_target * 1e3:.2f}", "1.00x", "-", "1.00", "-", "-"],
-            [competitors[1].name, f"{t_draft * 1e3:.2f}", "-", "-", "-", "-", "-"]]
+    rows = [[competitors[0].name, f"{t_target * 1e3:.2f}", "1.00x", "-", "1.00", "-",
+             f"{products[0].median_per_unit() * 1e3:.2f}", "-"],
+            [competitors[1].name, f"{t_draft * 1e3:.2f}", "-", "-", "-", "-", "-", "-"]]
     model = {}
-    for c, check, g in zip(competitors[2:], checks, gammas):
+    for c, check, product, g in zip(competitors[2:], checks, products[1:], gammas):
         acceptance, per_call = stats[g]
         # Leviathan et al. (arXiv:2211.17192, section 3.4): a round costs gamma draft steps and one
         # target call on gamma + 1 tokens, and yields `per_call` tokens on average
@@ -97,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         model[g] = {"verify_call_ms": check.median_per_unit() * 1e3, "predicted_ms_per_token": predicted * 1e3}
         rows.append([c.name, f"{c.median_per_unit() * 1e3:.2f}", f"{t_target / c.median_per_unit():.2f}x",
                      f"{acceptance:.2f}", f"{per_call:.2f}", f"{check.median_per_unit() * 1e3:.2f}",
-                     f"{predicted * 1e3:.2f} ({t_target / predicted:.2f}x)"])
+                     f"{product.median_per_unit() * 1e3:.2f}", f"{predicted * 1e3:.2f} ({t_target / predicted:.2f}x)"])
     table = markdown_table(["decoding", "ms/token", "speed-up", "acceptance", "tokens per target call",
-                            "target call on gamma + 1 tokens, ms", "cost model: ms/token (speed-up)"], rows)
+                            "target call on gamma + 1 tokens, ms",
+                            "its linear layers alone, ms", "cost model: ms/token (speed-up)"], rows)
     params = (sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters()))
     text = (f"Target {params[0]:,} parameters ({args.target}), draft {params[1]:,} ({args.draft}); "
             f"{args.prompts} {args.prompt_len}-token validation prompts, {args.new_tokens} new tokens each, greedy, "
@@ -110,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             "ms/token = (gamma x draft ms/token + target call ms) / tokens per target call. Speculation pays "
             "when the target's call on gamma + 1 tokens costs about what one token costs (its weights are read "
             "once either way) and the draft step is a small fraction of it: draft / target step here = "
-            f"{t_draft / t_target:.2f}.\n")
+            f"{t_draft / t_target:.2f}. `its linear layers alone` times the target's nn.Linear layers on 1 "
+            "(the target-alone row) or gamma + 1 rows with nothing around them: how far matrix products on a "
+            "few rows are from the one-row cost on this machine.\n")
     print(text)
     write_report(args.out, {"environment": environment(["torch"]), "rows": rows, "cost_model": model,
                             "args": vars(args)},
