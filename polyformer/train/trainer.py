@@ -8,6 +8,7 @@ DistributedDataParallel (gloo on CPU, nccl on GPU); only rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import sys
@@ -19,14 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..generate.decode import AutoregressiveWrapper
-from ..generate.sampling import top_k, top_p
 from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
 from .run import CONFIG, load_run_config, model_from_run, run_config, save_run_config
+from .sample import prepare_for_sampling, sample, speculative_sample
 from .settings import RunSettings, from_dict, resolve, to_dict
 from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
                     train_batches)
@@ -272,23 +272,6 @@ def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metr
 
 
 @torch.no_grad()
-def sample(model: nn.Module, tokenizer: Any, prompt: str, n: int, temperature: float, k: int | None,
-           p: float | None, seed: int) -> str:
-    ids = tokenizer.encode(prompt) or [0]
-    ids = ids[-model.max_seq_len:]
-    filters, kwargs = [], []
-    if k:
-        filters.append(top_k)
-        kwargs.append({"k": k})
-    if p:
-        filters.append(top_p)
-        kwargs.append({"p": p})
-    out = AutoregressiveWrapper(model).generate(torch.tensor([ids]), n, temperature=temperature,
-                                                filter_logits_fn=filters or None, filter_kwargs=kwargs or None,
-                                                generator=torch.Generator().manual_seed(seed))
-    return prompt + tokenizer.decode(out[0].tolist())
-
-
 def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
     """A trained run: its settings, the model with the newest good checkpoint, and its data."""
     path = Path(run_dir)
@@ -312,23 +295,54 @@ def evaluate_run(run_dir: str, batches: int | None = None) -> int:
     return 0
 
 
-def prepare_for_sampling(model: nn.Module, int8: bool) -> nn.Module:
-    """The weights as batch-1 decoding on a CPU reads them fastest (`load_run` builds on the CPU):
-    int8 (`quantize_int8`, changes the numbers) or input-major float32 (`input_major`, the same
-    values)."""
-    from ..layout import input_major
-    from ..quantize import quantize_int8
+def _tokenizer_json(run_dir: str) -> Any:
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise SystemExit(f"polyformer generate: {run_dir!r} has no {TOKENIZER_FILE}")
+    return json.loads(path.read_text(encoding="utf-8"))
 
-    return quantize_int8(model.eval()) if int8 else input_major(model)
+
+def _check_generates(settings: RunSettings, run_dir: str) -> None:
+    if settings.train.objective not in ("lm", "prefix_lm"):
+        raise SystemExit(f"polyformer generate: {run_dir!r} is a {settings.train.objective!r} run, which does not "
+                         "generate text")
+
+
+def _draft_for(run_dir: str, draft: str, gamma: int) -> nn.Module:
+    """The draft run's model, once it is known to fit the target run (`generate --draft`)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise SystemExit(f"polyformer generate: --gamma must be an integer >= 1, got {gamma!r}")
+    if _tokenizer_json(draft) != _tokenizer_json(run_dir):
+        raise SystemExit(f"polyformer generate: the draft run {draft!r} has another tokenizer than {run_dir!r}; "
+                         "speculative decoding needs both models on one vocabulary")
+    settings, model, _ = load_run(draft)
+    _check_generates(settings, draft)
+    return model
 
 
 def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
-             p: float | None, seed: int, int8: bool = False) -> int:
+             p: float | None, seed: int, int8: bool = False, draft: str | None = None, gamma: int = 4) -> int:
+    """`polyformer generate`: the run's text after `prompt`; with `draft` (a run on the same tokenizer),
+    by speculative decoding, its acceptance on stderr."""
     settings, model, data = load_run(run_dir)
-    if settings.train.objective not in ("lm", "prefix_lm"):
-        raise SystemExit(f"polyformer generate: a {settings.train.objective!r} run does not generate text")
+    _check_generates(settings, run_dir)
     if max_new_tokens < 1:
         raise SystemExit("polyformer generate: --max-new-tokens must be >= 1")
-    prepare_for_sampling(model, int8)
-    print(sample(model, data.tokenizer, prompt if prompt is not None else "\n", max_new_tokens, temperature, k, p, seed))
+    prompt = prompt if prompt is not None else "\n"
+    draft_model = None if draft is None else _draft_for(run_dir, draft, gamma)
+    for net in (model, draft_model):
+        if net is not None:
+            prepare_for_sampling(net, int8)
+    try:                                          # bad filter values, too long for learned positions
+        if draft_model is None:
+            print(sample(model, data.tokenizer, prompt, max_new_tokens, temperature, k, p, seed))
+            return 0
+        text, result = speculative_sample(model, draft_model, data.tokenizer, prompt, max_new_tokens, gamma,
+                                          temperature, k, p, seed)
+    except ValueError as err:
+        raise SystemExit(f"polyformer generate: {err}") from None
+    print(text)
+    print(f"speculative decoding, gamma {gamma}: {result.accepted} of {result.proposed} draft tokens accepted "
+          f"({result.acceptance_rate:.2f}), {result.tokens_per_target_call:.2f} tokens per target call",
+          file=sys.stderr)
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,9 @@ import torch
 
 from polyformer import Int8Linear
 from polyformer.layout import is_input_major
-from polyformer.train.trainer import load_run, prepare_for_sampling
+from polyformer.train.sample import prepare_for_sampling
+from polyformer.train.tokenizer import BPETokenizer
+from polyformer.train.trainer import load_run
 
 TINY = ["--preset", "tiny", "--train.progress", "false", "--data.max_bytes", "40000",
         "--model.dim", "32", "--model.depth", "1", "--model.max_seq_len", "32"]
@@ -71,6 +75,32 @@ def test_train_generate_eval(tmp_path):
     values = dict(zip(evaluated.stdout.split()[0::2], map(float, evaluated.stdout.split()[1::2])))
     assert abs(values["perplexity"] - 2.718281828 ** values["loss"]) < 1e-2 * values["perplexity"]
     assert abs(values["bits_per_byte"] - values["loss"] / 0.693147) < 1e-3   # byte-level: tokens are bytes
+
+
+def test_generate_with_a_draft_is_speculative_and_keeps_the_targets_text(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for run, dim in ((target, "32"), (draft, "16")):
+        done = polyformer("train", *TINY, "--model.dim", dim, "--steps", "30", "--out", str(run), "--train.lr", "5e-3")
+        assert done.returncode == 0, done.stderr
+    common = ["--run", str(target), "--max-new-tokens", "20", "--prompt", "def ", "--temperature", "0"]
+    plain = polyformer("generate", *common)
+    fast = polyformer("generate", *common, "--draft", str(draft), "--gamma", "3")
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout                       # greedy: exactly the target's own text
+    accepted, proposed = map(int, re.search(r"gamma 3: (\d+) of (\d+) draft tokens", fast.stderr).groups())
+    assert 0 <= accepted <= proposed and proposed > 0
+    sampled = polyformer("generate", *common[:-2], "--draft", str(draft), "--top-k", "5", "--seed", "3")
+    assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr
+
+    other = tmp_path / "other"                                # same model, another tokenizer
+    shutil.copytree(draft, other)
+    BPETokenizer.train(b"def main(): return 1\n" * 50, 260).save(other)
+    for args, message in ((["--draft", str(other)], "another tokenizer"),
+                          (["--gamma", "2"], "needs --draft"),
+                          (["--draft", str(draft), "--gamma", "0"], "--gamma must be an integer >= 1"),
+                          (["--draft", str(draft), "--top-p", "1.5"], "top_p")):
+        refused = polyformer("generate", "--run", str(target), *args)
+        assert refused.returncode != 0 and message in refused.stderr, (args, refused.stderr)
 
 
 def test_resume_continues_exactly(tmp_path):
