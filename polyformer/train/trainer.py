@@ -271,7 +271,6 @@ def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metr
         (bar.write if bar is not None else print)(text)
 
 
-@torch.no_grad()
 def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
     """A trained run: its settings, the model with the newest good checkpoint, and its data."""
     path = Path(run_dir)
