@@ -1,5 +1,5 @@
 """Export a `TransformerWrapper`: `torch.export` of its forward with a dynamic batch and sequence
-length, of one cached decode step, and ONNX.
+length, of one cached decode step, and ONNX of both.
 
 The model code traces as one graph by itself (value checks run on eager calls only, see
 `checks.tracing`), so `torch.export.export(model, (ids,))` works as it is; these helpers choose
@@ -53,6 +53,18 @@ class DecodeStep(nn.Module):
     def forward(self, x: Tensor, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, length: int) -> Tensor:
         prefix = self.net.num_memory_tokens if length else 0
         return self.net(x, state=DecodeState.over(k, v, pos, mask, length, prefix))
+
+
+class FunctionalDecodeStep(DecodeStep):
+    """`DecodeStep` that leaves its inputs alone and returns the new state: forward(x, k, v, pos,
+    mask, length) -> (logits, k, v, pos, mask), the state tensors updated copies of the inputs. For
+    runtimes whose programs cannot write into their inputs (ONNX): feed the returned tensors to the
+    next step, with length advanced as `DecodeStep` says."""
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor,
+                length: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        k, v, pos, mask = k.clone(), v.clone(), pos.clone(), mask.clone()
+        return super().forward(x, k, v, pos, mask, length), k, v, pos, mask
 
 
 @contextmanager
@@ -119,9 +131,13 @@ def export_decode_step(model: TransformerWrapper, max_len: int = 8, batch: int =
     The batch size and the state's max_len are symbolic in both; `max_len` and `batch` here only
     size the example inputs.
     """
-    step = DecodeStep(model)                     # refuses anything but a TransformerWrapper decoder
+    return _export_step(DecodeStep(model), max_len, batch, prompt)   # DecodeStep refuses other models
+
+
+def _export_step(step: DecodeStep, max_len: int, batch: int, prompt: bool) -> ExportedProgram:
+    model = step.net
     if max_len < 4 or batch < 2:
-        raise ValueError(f"export_decode_step traces with max_len >= 4 and batch >= 2 (sizes 0 and 1 "
+        raise ValueError(f"a decode step is traced with max_len >= 4 and batch >= 2 (sizes 0 and 1 "
                          f"would be specialised), got max_len={max_len}, batch={batch}")
     state = model.new_state(batch, max_len)
     # every size symbolic; the trace finds how they relate (one batch, max_len >= length + n, ...)
@@ -136,6 +152,27 @@ def export_decode_step(model: TransformerWrapper, max_len: int = 8, batch: int =
     with _inference(model):
         return torch.export.export(step, (x, state.k, state.v, state.pos, state.mask, length),
                                    dynamic_shapes=shapes)
+
+
+def export_onnx_decode_step(model: TransformerWrapper, path: str | os.PathLike | None = None, max_len: int = 8,
+                            batch: int = 2, prompt: bool = False,
+                            external_data: bool = False) -> "torch.onnx.ONNXProgram":
+    """ONNX export of one cached decode step (`FunctionalDecodeStep`), for decoding with a KV cache in
+    ONNX Runtime. Inputs "x", "k", "v", "pos", "mask", "length" as in `export_decode_step` (a
+    state's storage from `model.new_state(b, max_len)`, numpy arrays of it); outputs "logits" and the
+    updated "k_out", "v_out", "pos_out", "mask_out", which the caller passes to the next step as
+    k, v, pos, mask with length advanced by the new tokens (plus `model.num_memory_tokens` after
+    the prompt). prompt=True exports the prompt program instead of the one-token step: x (b, n),
+    and no "length" input (it is 0). Each step returns whole copies of the state, as ONNX programs cannot write into
+    their inputs. Saved to `path` when given. Needs `onnx` and `onnxscript`.
+    """
+    program = _export_step(FunctionalDecodeStep(model), max_len, batch, prompt)
+    onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
+                                     input_names=["x", "k", "v", "pos", "mask", "length"],
+                                     output_names=["logits", "k_out", "v_out", "pos_out", "mask_out"])
+    if path is not None:
+        onnx_program.save(path, external_data=external_data)
+    return onnx_program
 
 
 def export_onnx(model: TransformerWrapper, path: str | os.PathLike | None = None, example: Tensor | None = None,

@@ -10,7 +10,8 @@ import torch
 from torch.testing import assert_close
 
 from polyformer import Decoder, Encoder, TransformerWrapper
-from polyformer.export import DecodeStep, export_decode_step, export_decoder, export_onnx
+from polyformer.export import (DecodeStep, FunctionalDecodeStep, export_decode_step, export_decoder, export_onnx,
+                               export_onnx_decode_step)
 from tests.helpers import ids, tiny_encoder, tiny_lm
 from tests.options import DECODER_OPTIONS, perturb
 
@@ -141,6 +142,59 @@ def test_onnx_export_with_mask_and_rotary(tmp_path, onnx_session):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["default", "rotary_pos_emb", "alibi_pos_emb", "attn_kv_heads",
+                                  "num_memory_tokens"])
+def test_onnx_decode_loop_in_onnxruntime_equals_cached_eager_decoding(tmp_path, onnx_session, name):
+    torch.manual_seed(0)
+    model = perturb(tiny_lm(**dict(DECODER_OPTIONS[name])), scale=0.05)
+    export_onnx_decode_step(model, tmp_path / "prompt.onnx", prompt=True)
+    export_onnx_decode_step(model, tmp_path / "step.onnx")
+    prompt_session, step_session = onnx_session(tmp_path / "prompt.onnx"), onnx_session(tmp_path / "step.onnx")
+    assert [o.name for o in step_session.get_outputs()] == ["logits", "k_out", "v_out", "pos_out", "mask_out"]
+    assert [i.name for i in prompt_session.get_inputs()] == ["x", "k", "v", "pos", "mask"]   # length is 0
+    eager_state, start = model.new_state(3, 24), model.new_state(3, 24)   # a longer state than traced
+    names = ["k", "v", "pos", "mask"]
+
+    def run(session, x, state, length):
+        feed = {"x": x.numpy(), **state, "length": torch.tensor(length).numpy()}
+        logits, *new = session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})
+        return torch.from_numpy(logits), dict(zip(names, new))
+
+    prompt = ids(3, 5)
+    state = {n: getattr(start, n).numpy() for n in names}
+    got, state = run(prompt_session, prompt, state, 0)
+    want = model(prompt, state=eager_state)
+    assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not start.k.any()                                  # the inputs are left as they were
+    length = prompt.shape[1] + model.num_memory_tokens
+    tokens, eager_tokens = [], []
+    for _ in range(12):
+        token = got[:, -1:].argmax(-1)
+        eager_token = want[:, -1:].argmax(-1)
+        got, state = run(step_session, token, state, length)
+        want = model(eager_token, state=eager_state)
+        length += 1
+        tokens.append(token), eager_tokens.append(eager_token)
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat(tokens, 1), torch.cat(eager_tokens, 1))     # greedy decoding agrees
+    assert length == eager_state.length
+    assert_close(torch.from_numpy(state["k"])[:, :, :, :length], eager_state.k[:, :, :, :length])
+
+
+def test_functional_decode_step_returns_the_state_the_in_place_step_writes():
+    model = perturb(gpt(rotary_pos_emb=True), scale=0.05)
+    in_place, functional = model.new_state(2, 8), model.new_state(2, 8)
+    with torch.no_grad():
+        model(ids(2, 3), state=in_place), model(ids(2, 3), state=functional)
+        step, token = FunctionalDecodeStep(model), ids(2, 1, seed=5)
+        want = DecodeStep(model)(token, in_place.k, in_place.v, in_place.pos, in_place.mask, 3)
+        before = functional.k.clone()
+        got, *new = step(token, functional.k, functional.v, functional.pos, functional.mask, 3)
+    assert torch.equal(got, want) and torch.equal(functional.k, before)
+    for tensor, name in zip(new, ("k", "v", "pos", "mask")):
+        assert torch.equal(tensor, getattr(in_place, name)), name
+
+
 def test_onnx_export_of_the_readme_gpt_at_full_size(tmp_path, onnx_session):
     torch.manual_seed(0)
     model = TransformerWrapper(num_tokens=20000, max_seq_len=1024,
