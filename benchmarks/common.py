@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def set_threads(n: int) -> None:
@@ -78,9 +80,9 @@ def _warm_up(competitors: list[Competitor], warmup: int) -> None:
             c.run()
 
 
-def rotated(items: list, r: int) -> list:
+def rotated(items: Sequence[T], r: int) -> list[T]:
     """Round r's order: starting one further along the list each round."""
-    return items[r % len(items):] + items[:r % len(items)]
+    return list(items[r % len(items):]) + list(items[:r % len(items)])
 
 
 def alternating_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1,

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [data.val[i * step: i * step + args.prompt_len][None] for i in range(args.prompts)]
     plain = AutoregressiveWrapper(target)
     gammas = [int(g) for g in args.gammas.split(",")]
+    if max(gammas) + 1 > args.prompt_len:          # the verify call is timed on the prompt's last tokens
+        parser.error(f"--prompt-len ({args.prompt_len}) must be at least the largest gamma + 1 ({max(gammas) + 1})")
     stats = {}
     for gamma in gammas:
         accepted = proposed = calls = 0

@@ -79,7 +79,7 @@ class Family:
     tied_head: str | None = None
     notes: dict[str, str] = field(default_factory=dict)   # hints for unexpected tensors, by prefix
     main_kwargs: dict[str, Any] = field(default_factory=dict)
-    base_model: str | None = None             # the attribute of a task-head model holding a base model we take
+    base_model: str | None = None
 
     @property
     def main_class(self) -> str:

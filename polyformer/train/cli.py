@@ -110,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from .trainer import generate
 
-        if args.gamma is not None and args.draft is None:
-            raise SystemExit("polyformer generate: --gamma sets speculative decoding's draft length; it needs --draft")
         return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
-                        args.seed, int8=args.int8, draft=args.draft, gamma=4 if args.gamma is None else args.gamma)
+                        args.seed, int8=args.int8, draft=args.draft, gamma=args.gamma)
     from .trainer import evaluate_run
 
     return evaluate_run(args.run, args.batches)

@@ -24,18 +24,18 @@ def prepare_for_sampling(model: nn.Module, int8: bool) -> nn.Module:
 
 
 def filters(k: int | None, p: float | None) -> dict[str, Any]:
-    """`filter_logits_fn` / `filter_kwargs` for top-k and / or top-p (none when both are unset)."""
-    chosen = [(top_k, {"k": k})] * bool(k) + [(top_p, {"p": p})] * bool(p)
+    """`filter_logits_fn` / `filter_kwargs` for top-k and / or top-p (none when both are None); the
+    sampler checks their values."""
+    chosen = [(fn, {name: value}) for fn, name, value in ((top_k, "k", k), (top_p, "p", p)) if value is not None]
     if not chosen:
         return {}
     return {"filter_logits_fn": [fn for fn, _ in chosen], "filter_kwargs": [kw for _, kw in chosen]}
 
 
-def prompt_ids(tokenizer: Any, prompt: str, *models: nn.Module) -> Tensor:
-    """(1, n) ids of `prompt` (token 0 for an empty one), its last tokens when it is longer than the
-    shortest window of `models`."""
+def prompt_ids(tokenizer: Any, prompt: str, model: nn.Module) -> Tensor:
+    """(1, n) ids of `prompt` (token 0 for an empty one): its last `model.max_seq_len` tokens."""
     ids = tokenizer.encode(prompt) or [0]
-    return torch.tensor([ids[-min(m.max_seq_len for m in models):]])
+    return torch.tensor([ids[-model.max_seq_len:]])
 
 
 def sample(model: nn.Module, tokenizer: Any, prompt: str, n: int, temperature: float, k: int | None,
@@ -49,8 +49,9 @@ def sample(model: nn.Module, tokenizer: Any, prompt: str, n: int, temperature: f
 def speculative_sample(model: nn.Module, draft: nn.Module, tokenizer: Any, prompt: str, n: int, gamma: int,
                        temperature: float, k: int | None, p: float | None, seed: int) -> tuple[str, SpeculativeResult]:
     """`prompt` and `n` tokens from `model`, with `draft` proposing `gamma` at a time
-    (`speculative_generate`: the target's own distribution; with temperature 0, its greedy text)."""
-    result = speculative_generate(model, draft, prompt_ids(tokenizer, prompt, model, draft), n, gamma=gamma,
+    (`speculative_generate`: the target's own distribution; with temperature 0, its greedy text as
+    long as the whole text fits the target's window, where `sample` would slide it)."""
+    result = speculative_generate(model, draft, prompt_ids(tokenizer, prompt, model), n, gamma=gamma,
                                   temperature=temperature, generator=torch.Generator().manual_seed(seed),
                                   **filters(k, p))
     return prompt + tokenizer.decode(result.tokens[0].tolist()), result

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batches import Batches
+from .batches import Batches, integer_at_least
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
 from .run import CONFIG, load_run_config, model_from_run, run_config, save_run_config
-from .sample import prepare_for_sampling, sample, speculative_sample
+from .sample import prepare_for_sampling, prompt_ids, sample, speculative_sample
 from .settings import RunSettings, from_dict, resolve, to_dict
 from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
                     train_batches)
@@ -271,8 +271,8 @@ def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metr
         (bar.write if bar is not None else print)(text)
 
 
-def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
-    """A trained run: its settings, the model with the newest good checkpoint, and its data."""
+def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
+    """A trained run's settings and its model with the newest good checkpoint, in eval mode."""
     path = Path(run_dir)
     config = load_run_config(path)
     settings = from_dict(config["train"]["settings"])
@@ -283,7 +283,13 @@ def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
                          "corpus: put the model's tokenizer.json beside its config.json and convert again")
     model = model_from_run(path)
     load_checkpoint(resume_checkpoint(path), model, rng=False)
-    return settings, model.eval(), load_data(settings, path, fresh=False)
+    return settings, model.eval()
+
+
+def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
+    """A trained run: its settings, the model with the newest good checkpoint, and its data."""
+    settings, model = load_model(run_dir)
+    return settings, model, load_data(settings, Path(run_dir), fresh=False)
 
 
 def evaluate_run(run_dir: str, batches: int | None = None) -> int:
@@ -307,35 +313,43 @@ def _check_generates(settings: RunSettings, run_dir: str) -> None:
                          "generate text")
 
 
-def _draft_for(run_dir: str, draft: str, gamma: int) -> nn.Module:
+def _draft_for(run_dir: str, draft: str) -> nn.Module:
     """The draft run's model, once it is known to fit the target run (`generate --draft`)."""
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise SystemExit(f"polyformer generate: --gamma must be an integer >= 1, got {gamma!r}")
+    settings, model = load_model(draft)
+    _check_generates(settings, draft)
     if _tokenizer_json(draft) != _tokenizer_json(run_dir):
         raise SystemExit(f"polyformer generate: the draft run {draft!r} has another tokenizer than {run_dir!r}; "
                          "speculative decoding needs both models on one vocabulary")
-    settings, model, _ = load_run(draft)
-    _check_generates(settings, draft)
     return model
 
 
 def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
-             p: float | None, seed: int, int8: bool = False, draft: str | None = None, gamma: int = 4) -> int:
-    """`polyformer generate`: the run's text after `prompt`; with `draft` (a run on the same tokenizer),
-    by speculative decoding, its acceptance on stderr."""
+             p: float | None, seed: int, int8: bool = False, draft: str | None = None,
+             gamma: int | None = None) -> int:
+    """`polyformer generate`: the run's text after `prompt`. With `draft` (a run on the same tokenizer),
+    by speculative decoding with `gamma` draft tokens per target call (default 4), its acceptance on
+    stderr; the whole text must then fit the target's window, where plain decoding would slide it."""
     settings, model, data = load_run(run_dir)
     _check_generates(settings, run_dir)
     if max_new_tokens < 1:
         raise SystemExit("polyformer generate: --max-new-tokens must be >= 1")
+    if draft is None and gamma is not None:
+        raise SystemExit("polyformer generate: --gamma sets speculative decoding's draft length; it needs --draft")
     prompt = prompt if prompt is not None else "\n"
-    draft_model = None if draft is None else _draft_for(run_dir, draft, gamma)
-    for net in (model, draft_model):
-        if net is not None:
-            prepare_for_sampling(net, int8)
     try:                                          # bad filter values, too long for learned positions
-        if draft_model is None:
+        if draft is None:
+            prepare_for_sampling(model, int8)
             print(sample(model, data.tokenizer, prompt, max_new_tokens, temperature, k, p, seed))
             return 0
+        gamma = integer_at_least("--gamma", 4 if gamma is None else gamma)
+        n = prompt_ids(data.tokenizer, prompt, model).shape[1]
+        if n + max_new_tokens > model.max_seq_len:
+            raise ValueError(f"the prompt's {n} tokens and --max-new-tokens {max_new_tokens} exceed the target's "
+                             f"window of {model.max_seq_len}; with --draft the whole text must fit it (ask for at "
+                             f"most {model.max_seq_len - n} new tokens)")
+        draft_model = _draft_for(run_dir, draft)
+        for net in (model, draft_model):
+            prepare_for_sampling(net, int8)
         text, result = speculative_sample(model, draft_model, data.tokenizer, prompt, max_new_tokens, gamma,
                                           temperature, k, p, seed)
     except ValueError as err:

@@ -79,8 +79,9 @@ def test_train_generate_eval(tmp_path):
 
 def test_generate_with_a_draft_is_speculative_and_keeps_the_targets_text(tmp_path):
     target, draft = tmp_path / "target", tmp_path / "draft"
-    for run, dim in ((target, "32"), (draft, "16")):
-        done = polyformer("train", *TINY, "--model.dim", dim, "--steps", "30", "--out", str(run), "--train.lr", "5e-3")
+    for run, dim, window in ((target, "32", "32"), (draft, "16", "16")):    # the draft's window is shorter
+        done = polyformer("train", *TINY, "--model.dim", dim, "--model.max_seq_len", window, "--steps", "30",
+                          "--out", str(run), "--train.lr", "5e-3")
         assert done.returncode == 0, done.stderr
     common = ["--run", str(target), "--max-new-tokens", "20", "--prompt", "def ", "--temperature", "0"]
     plain = polyformer("generate", *common)
@@ -98,8 +99,10 @@ def test_generate_with_a_draft_is_speculative_and_keeps_the_targets_text(tmp_pat
     for args, message in ((["--draft", str(other)], "another tokenizer"),
                           (["--gamma", "2"], "needs --draft"),
                           (["--draft", str(draft), "--gamma", "0"], "--gamma must be an integer >= 1"),
-                          (["--draft", str(draft), "--top-p", "1.5"], "top_p")):
-        refused = polyformer("generate", "--run", str(target), *args)
+                          (["--draft", str(draft), "--top-p", "1.5"], "top_p"),
+                          (["--top-k", "0"], "top_k"),
+                          (["--draft", str(draft), "--max-new-tokens", "40"], "exceed the target's window of 32")):
+        refused = polyformer("generate", "--run", str(target), "--max-new-tokens", "10", *args)
         assert refused.returncode != 0 and message in refused.stderr, (args, refused.stderr)
 
 
