@@ -159,7 +159,9 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompts: Tensor, s
     """Sample `seq_len` tokens after `prompts` from `target`, with `draft` proposing `gamma` at a time.
 
     Greedy (temperature 0) returns exactly the target's greedy output; sampling leaves the target's
-    distribution (after the same filters and temperature) unchanged.
+    distribution (after the same filters and temperature) unchanged. The target sees the whole
+    context: past `max_seq_len` (possible without learned positions) `generate` slides a window over
+    its cache instead, so there the two part.
 
     Args:
         target, draft: `TransformerWrapper`s (or `AutoregressiveWrapper`s) with causal stacks and
