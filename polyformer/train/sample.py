@@ -50,7 +50,7 @@ def speculative_sample(model: nn.Module, draft: nn.Module, tokenizer: Any, promp
                        temperature: float, k: int | None, p: float | None, seed: int) -> tuple[str, SpeculativeResult]:
     """`prompt` and `n` tokens from `model`, with `draft` proposing `gamma` at a time
     (`speculative_generate`: the target's own distribution; with temperature 0, its greedy text as
-    long as the whole text fits the target's window, where `sample` would slide it)."""
+    long as the whole text fits the target's window - past it, `sample` slides its cache)."""
     result = speculative_generate(model, draft, prompt_ids(tokenizer, prompt, model), n, gamma=gamma,
                                   temperature=temperature, generator=torch.Generator().manual_seed(seed),
                                   **filters(k, p))
