@@ -63,7 +63,7 @@ def load_hf(directory: str | os.PathLike, *, ignore: Iterable[str] = ()) -> Tran
     if not (path / CONFIG).is_file():
         raise FileNotFoundError(f"{str(path / CONFIG)!r} does not exist: {str(path)!r} is not a Hugging Face model directory")
     try:
-        config = json.loads((path / CONFIG).read_text())
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{str(path / CONFIG)!r} is not readable JSON ({error})") from error
     architectures = config.get("architectures") or [None]
@@ -78,7 +78,7 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     if (path / WEIGHTS).is_file():
         return load_file(str(path / WEIGHTS))
     if (path / INDEX).is_file():
-        files = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
+        files = sorted(set(json.loads((path / INDEX).read_text(encoding="utf-8"))["weight_map"].values()))
         tensors: dict[str, Tensor] = {}
         for file in files:
             tensors.update(load_file(str(path / file)))

@@ -149,8 +149,8 @@ def save_hf(model: TransformerWrapper, directory: str | os.PathLike, *, tokenize
 
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(text)
+        (tmp / CONFIG).write_text(text, encoding="utf-8")
         if tokenizer_json is not None:
-            (tmp / TOKENIZER).write_text(tokenizer_json)
+            (tmp / TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
 
     return write_dir_atomic(directory, fill)

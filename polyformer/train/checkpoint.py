@@ -208,7 +208,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
 def _problem(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted, or None if its manifest verifies."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return f"{MANIFEST} is missing (the save did not finish, or files were copied by hand)"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

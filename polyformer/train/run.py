@@ -59,7 +59,7 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} does not exist: {str(run_dir)!r} is not a polyformer run directory")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"run config {str(path)!r} is not readable JSON ({error})") from error
     found = config.get("polyformer_run_format") if isinstance(config, dict) else None
