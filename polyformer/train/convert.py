@@ -18,7 +18,7 @@ from typing import Any
 from ..interop.hf import CONFIG, TOKENIZER, load_hf, save_hf
 from ..wrappers import TransformerWrapper
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from .files import write_dir_atomic
+from .files import check_fresh, write_dir_atomic
 from .run import load_run_config, model_from_run, run_config, save_run_config
 from .settings import resolve, to_dict
 from .tokenizer import FILENAME as RUN_TOKENIZER, ByteTokenizer, HFTokenizer, load_tokenizer
@@ -32,8 +32,10 @@ def _fail(message: str) -> SystemExit:
 
 
 def _fresh(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise _fail(f"{str(out)!r} exists and is not empty: choose a new --out (nothing was changed)")
+    try:
+        check_fresh(out)
+    except FileExistsError:
+        raise _fail(f"{str(out)!r} exists and is not empty: choose a new --out (nothing was changed)") from None
 
 
 def from_hf_dir(hf_dir: str, out: str, ignore: list[str] | None = None,
@@ -55,7 +57,7 @@ def from_hf_dir(hf_dir: str, out: str, ignore: list[str] | None = None,
     if not model.attn_layers.causal:
         raise _fail("a run directory holds a language model for `generate` / `eval`, and this checkpoint is an "
                     "encoder (BERT) without a language-model head: use polyformer.interop.load_hf in Python")
-    hf_config = json.loads((src / CONFIG).read_text())
+    hf_config = json.loads((src / CONFIG).read_text(encoding="utf-8"))
     tokenizer = HFTokenizer.from_file(src / TOKENIZER) if (src / TOKENIZER).is_file() else None
     if tokenizer is not None and tokenizer.vocab_size > model.num_tokens:
         raise _fail(f"{str(src / TOKENIZER)!r} has {tokenizer.vocab_size} tokens but the model only "
@@ -98,6 +100,7 @@ def to_hf_dir(run_dir: str, out: str) -> int:
     """Write the newest checkpoint of RUN_DIR as a Hugging Face model directory OUT (config.json,
     model.safetensors, and tokenizer.json when the run has a BPE or Hugging Face tokenizer)."""
     run, target = Path(run_dir), Path(out)
+    _fresh(target)                                  # before any loading
     try:
         config = load_run_config(run)
         model = model_from_run(run)

@@ -43,13 +43,19 @@ def write_atomic(path: Path, data: bytes) -> None:
     replace_atomic(path, lambda f: f.write(data))
 
 
+def check_fresh(target: str | os.PathLike) -> Path:
+    """`target` as a Path if it is missing or an empty directory, else FileExistsError."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{str(target)!r} exists and is not empty: choose a new directory")
+    return target
+
+
 def write_dir_atomic(target: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
     """Write the directory `target` whole or not at all: `fill(tmp)` writes into a temporary
     sibling, whose files are fsynced before it is renamed onto `target` (missing or empty). An
     existing non-empty target raises FileExistsError before anything is written."""
-    target = Path(target)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{str(target)!r} exists and is not empty: choose a new directory")
+    target = check_fresh(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     tmp.mkdir()

@@ -114,6 +114,9 @@ def test_convert_refuses_and_explains(hf_dir, tmp_path, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "convert", "--from-hf", str(path), "--out", str(busy))
     assert code != 0 and "not empty" in err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    # --to-hf checks --out before it loads anything (here the run does not even exist)
+    code, _, err = cli(monkeypatch, capsys, "convert", "--to-hf", str(tmp_path / "no-run"), "--out", str(busy))
+    assert code != 0 and "not empty" in err and "--out" in err
 
     code, _, err = cli(monkeypatch, capsys, "convert", "--from-hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r"))
     assert code != 0 and "config.json" in err and not (tmp_path / "r").exists()
