@@ -9,7 +9,8 @@ import torch
 from polyformer import AttentionLayers, Decoder, Encoder, TransformerWrapper
 
 WRAPPER_KEYS = ("num_memory_tokens", "max_mem_len", "shift_mem_down", "emb_dropout", "tie_embedding",
-                "use_abs_pos_emb", "scaled_sinu_pos_emb", "emb_dim")
+                "use_abs_pos_emb", "scaled_sinu_pos_emb", "emb_dim", "logits_bias", "post_emb_norm",
+                "embed_num_tokens")
 
 
 def tiny_lm(stack: type[AttentionLayers] = Decoder, num_tokens: int = 64, max_seq_len: int = 32,

@@ -27,6 +27,7 @@ from torch.testing import assert_close
 
 from polyformer import (AutoregressiveWrapper, ContinuousTransformerWrapper, Decoder, Encoder,
                         TransformerWrapper, ViTransformerWrapper, XTransformer, build_model, model_config)
+from polyformer.generate.decode import left_padded_positions
 from polyformer.generate.fast import FastStep
 from polyformer.stack import AttentionLayers
 from tests.options import perturb
@@ -410,7 +411,7 @@ def test_fast_decode_step_is_bit_identical_to_the_module_step(case, split):
     assume(n >= 3)
     mask = torch.ones(case.batch, n, dtype=torch.bool)
     mask[0, : n // 3] = False
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    pos = left_padded_positions(mask)
     s = max(min(split, n - 2), n // 3 + 1)
     states = []
     for _ in range(2):

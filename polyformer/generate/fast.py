@@ -103,7 +103,6 @@ class FastStep:
         stack = net.attn_layers
         self.blocks = [_Block(block) for block in stack.blocks]
         self.final_norm = _call(stack.final_norm)
-        self.num_layers = stack.num_self_attn
         self.memory_tokens = net.num_memory_tokens
         self.score_bias = _call(stack.shared_bias)
 
@@ -135,13 +134,10 @@ class FastStep:
         if context is not None or context_mask is not None:
             raise ValueError("context: the model has no cross-attention")
         net = self.net
-        b = x.shape[0]
-        if x.shape[1] != 1 or state.length == 0 or state.batch != b or state.k.shape[0] != self.num_layers:
+        if x.shape[1] != 1 or state.length == 0:
             raise ValueError(f"the fast step takes one new token per row of a state holding the prompt; got x "
-                             f"{tuple(x.shape)} for a state of batch {state.batch} holding {state.length}")
-        if state.length + 1 > state.max_len:
-            raise ValueError(f"state has room for {state.max_len} positions; {state.length} are used and "
-                             "x adds 1")
+                             f"{tuple(x.shape)} for a state holding {state.length}")
+        checks.decode_state(net.attn_layers, state, x, None)     # batch, layers, room: as the module path
         checks.token_ids(x, net.num_tokens)
         pos = state.pos[:, state.length - 1: state.length] + 1            # (b, 1): after each row's last
         tok_pos = pos - self.memory_tokens if self.memory_tokens else pos  # memory tokens lead the state

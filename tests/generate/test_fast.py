@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from polyformer import AutoregressiveWrapper, quantize_int8
+from polyformer.generate.decode import left_padded_positions
 from polyformer.generate.fast import FastStep, fast_step
 from tests.helpers import ids, tiny_lm
 from tests.options import DECODER_OPTIONS, perturb
@@ -33,24 +34,14 @@ COVERED = set(OPTIONS) - NOT_COVERED
 
 
 def model_with(name, **extra):
-    torch.manual_seed(0)
-    keywords = {**OPTIONS[name], **extra}
-    wrapper = {k: keywords.pop(k) for k in ("logits_bias", "post_emb_norm", "embed_num_tokens") if k in keywords}
-    model = tiny_lm(**keywords)
-    if wrapper:                              # wrapper keywords tiny_lm does not route: rebuild with them
-        from polyformer import TransformerWrapper
-        model = TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=model.attn_layers,
-                                   tie_embedding=model.tie_embedding, emb_dim=keywords.get("emb_dim"),
-                                   **wrapper).eval()
-    return perturb(model, scale=0.05)
+    return perturb(tiny_lm(seed=0, **{**OPTIONS[name], **extra}), scale=0.05)
 
 
 def prefilled(model, x, mask):
     """A decode state holding the left-padded prompts x."""
     state = model.new_state(x.shape[0], 24)
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        model(x, mask=mask, pos=pos, state=state)
+        model(x, mask=mask, pos=left_padded_positions(mask), state=state)
     return state
 
 
@@ -169,7 +160,10 @@ def test_speculative_drafts_and_beam_steps_take_the_fast_step_with_the_same_resu
     original = FastStep.__call__
     monkeypatch.setattr(FastStep, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     spec = speculative_generate(target, draft, prompts, 12, gamma=3, temperature=0.0)
+    assert len(calls) > 0                      # the draft's one-token steps
+    before_beams = len(calls)
     beams = beam_search(target, prompts, 6, num_beams=3)
+    assert len(calls) > before_beams           # beam search's steps too
     used = len(calls)
     monkeypatch.setattr("polyformer.generate.speculative.fast_step", lambda net: None)
     monkeypatch.setattr("polyformer.generate.beam.fast_step", lambda net: None)
