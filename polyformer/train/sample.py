@@ -50,8 +50,13 @@ def speculative_sample(model: nn.Module, draft: nn.Module, tokenizer: Any, promp
                        temperature: float, k: int | None, p: float | None, seed: int) -> tuple[str, SpeculativeResult]:
     """`prompt` and `n` tokens from `model`, with `draft` proposing `gamma` at a time
     (`speculative_generate`: the target's own distribution; with temperature 0, its greedy text as
-    long as the whole text fits the target's window - past it, `sample` slides its cache)."""
-    result = speculative_generate(model, draft, prompt_ids(tokenizer, prompt, model), n, gamma=gamma,
-                                  temperature=temperature, generator=torch.Generator().manual_seed(seed),
-                                  **filters(k, p))
+    long as the whole text fits the target's window - past it, `sample` slides its cache, so a
+    longer request is refused)."""
+    ids = prompt_ids(tokenizer, prompt, model)
+    if ids.shape[1] + n > model.max_seq_len:
+        raise ValueError(f"the prompt's {ids.shape[1]} tokens and {n} new ones exceed the target's window of "
+                         f"{model.max_seq_len}; speculative decoding needs the whole text to fit it (ask for at "
+                         f"most {model.max_seq_len - ids.shape[1]} new tokens)")
+    result = speculative_generate(model, draft, ids, n, gamma=gamma, temperature=temperature,
+                                  generator=torch.Generator().manual_seed(seed), **filters(k, p))
     return prompt + tokenizer.decode(result.tokens[0].tolist()), result

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batches import Batches, integer_at_least
+from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
 from .objectives import Seq2Seq, token_accuracy
 from .run import CONFIG, load_run_config, model_from_run, run_config, save_run_config
-from .sample import prepare_for_sampling, prompt_ids, sample, speculative_sample
+from .sample import prepare_for_sampling, sample, speculative_sample
 from .settings import RunSettings, from_dict, resolve, to_dict
 from .setup import (Data, build_objective, build_run_model, load_data, lr_factor, optimizer_for,
                     train_batches)
@@ -341,12 +341,7 @@ def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature:
             prepare_for_sampling(model, int8)
             print(sample(model, data.tokenizer, prompt, max_new_tokens, temperature, k, p, seed))
             return 0
-        gamma = integer_at_least("--gamma", 4 if gamma is None else gamma)
-        n = prompt_ids(data.tokenizer, prompt, model).shape[1]
-        if n + max_new_tokens > model.max_seq_len:
-            raise ValueError(f"the prompt's {n} tokens and --max-new-tokens {max_new_tokens} exceed the target's "
-                             f"window of {model.max_seq_len}; with --draft the whole text must fit it (ask for at "
-                             f"most {model.max_seq_len - n} new tokens)")
+        gamma = 4 if gamma is None else gamma          # speculative_generate checks it
         draft_model = _draft_for(run_dir, draft)
         for net in (model, draft_model):
             prepare_for_sampling(net, int8)

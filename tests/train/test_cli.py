@@ -20,7 +20,7 @@ from polyformer import Int8Linear
 from polyformer.layout import is_input_major
 from polyformer.train.sample import prepare_for_sampling
 from polyformer.train.tokenizer import BPETokenizer
-from polyformer.train.trainer import load_run
+from polyformer.train.trainer import load_model, load_run
 
 TINY = ["--preset", "tiny", "--train.progress", "false", "--data.max_bytes", "40000",
         "--model.dim", "32", "--model.depth", "1", "--model.max_seq_len", "32"]
@@ -65,7 +65,7 @@ def test_train_generate_eval(tmp_path):
         reference = model(x)
         assert torch.allclose(prepare_for_sampling(model, int8=False)(x), reference, atol=1e-5)
         assert is_input_major(model.attn_layers.blocks[0].branch.project.to_qkv.weight)
-        quantized = prepare_for_sampling(load_run(str(run))[1], int8=True)
+        quantized = prepare_for_sampling(load_model(str(run))[1], int8=True)
         assert any(isinstance(m, Int8Linear) for m in quantized.modules())
         got = quantized(x)
     assert not torch.equal(got, reference) and (got - reference).norm() / reference.norm() < 0.05
@@ -98,7 +98,7 @@ def test_generate_with_a_draft_is_speculative_and_keeps_the_targets_text(tmp_pat
     BPETokenizer.train(b"def main(): return 1\n" * 50, 260).save(other)
     for args, message in ((["--draft", str(other)], "another tokenizer"),
                           (["--gamma", "2"], "needs --draft"),
-                          (["--draft", str(draft), "--gamma", "0"], "--gamma must be an integer >= 1"),
+                          (["--draft", str(draft), "--gamma", "0"], "gamma must be an integer >= 1"),
                           (["--draft", str(draft), "--top-p", "1.5"], "top_p"),
                           (["--top-k", "0"], "top_k"),
                           (["--draft", str(draft), "--max-new-tokens", "40"], "exceed the target's window of 32")):
