@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from polyformer.layout import linear_layers
+
 from .common import Competitor, alternating_rounds, environment, markdown_table, set_threads, write_report
 
 
@@ -41,7 +43,7 @@ def verify_call(target: torch.nn.Module, prompt: torch.Tensor, n: int, calls: in
 def products_call(target: torch.nn.Module, n: int, calls: int = 20) -> Competitor:
     """`calls` rounds of the target's linear layers alone on n rows each (its own weights, no
     attention, norms or Python around them): what the verify call's matrix products cost."""
-    layers = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for _, m in linear_layers(target)]
     inputs = [torch.randn(1, n, m.in_features) for m in layers]
 
     @torch.no_grad()

@@ -163,8 +163,8 @@ def export_onnx_decode_step(model: TransformerWrapper, path: str | os.PathLike |
     updated "k_out", "v_out", "pos_out", "mask_out", which the caller passes to the next step as
     k, v, pos, mask with length advanced by the new tokens (plus `model.num_memory_tokens` after
     the prompt). prompt=True exports the prompt program instead of the one-token step: x (b, n),
-    and no "length" input (it is 0). Each step returns whole copies of the state, as ONNX programs cannot write into
-    their inputs. Saved to `path` when given. Needs `onnx` and `onnxscript`.
+    and no "length" input (it is 0). Each step returns whole copies of the state, as ONNX programs
+    cannot write into their inputs. Saved to `path` when given. Needs `onnx` and `onnxscript`.
     """
     program = _export_step(FunctionalDecodeStep(model), max_len, batch, prompt)
     onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,

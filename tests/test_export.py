@@ -141,7 +141,6 @@ def test_onnx_export_with_mask_and_rotary(tmp_path, onnx_session):
     assert_close(torch.from_numpy(logits)[keep], model(x, mask=mask)[keep], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default", "rotary_pos_emb", "alibi_pos_emb", "attn_kv_heads",
                                   "num_memory_tokens"])
 def test_onnx_decode_loop_in_onnxruntime_equals_cached_eager_decoding(tmp_path, onnx_session, name):
@@ -195,6 +194,7 @@ def test_functional_decode_step_returns_the_state_the_in_place_step_writes():
         assert torch.equal(tensor, getattr(in_place, name)), name
 
 
+@pytest.mark.slow
 def test_onnx_export_of_the_readme_gpt_at_full_size(tmp_path, onnx_session):
     torch.manual_seed(0)
     model = TransformerWrapper(num_tokens=20000, max_seq_len=1024,
