@@ -39,7 +39,7 @@ from .common import (QUIET, Competitor, OthersMeter, log, markdown_table, pyplot
 
 VOCAB, DIM, DEPTH, HEADS = 256, 512, 6, 8
 SHAPES = ((512, 8), (1024, 4))               # (seq, batch)
-LIBRARIES = ("polyformer", "x-transformers", "x-transformers flash", "HF GPT-2")
+LIBRARIES = ("polyformer", "polyformer, ATen attention", "x-transformers", "x-transformers flash", "HF GPT-2")
 TARGETS = {"x-transformers flash": 1.1, "x-transformers": 1.5, "HF GPT-2": 1.35}
 MFU_TARGET = 0.65
 
@@ -50,7 +50,7 @@ def build(library: str, max_seq_len: int, *, dim: int = DIM, depth: int = DEPTH,
           vocab: int = VOCAB, seed: int = 0) -> nn.Module:
     """A decoder LM of the given shape from one of LIBRARIES; dropout off everywhere."""
     torch.manual_seed(seed)
-    if library == "polyformer":
+    if library.startswith("polyformer"):
         from polyformer import Decoder, TransformerWrapper
 
         return TransformerWrapper(num_tokens=vocab, max_seq_len=max_seq_len,
@@ -160,7 +160,15 @@ def trainer(library: str, seq: int, size: int, autocast: torch.dtype | None = No
     model = build(library, seq).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = batch(seq, size)
-    return model, train_step(model, opt, x, y, autocast)
+    step = train_step(model, opt, x, y, autocast)
+    if library == "polyformer, ATen attention":      # our own CPU attention kernel off: the baseline
+        from polyformer.attention.kernels import cpu
+
+        def aten_step() -> float:
+            with cpu.switched_off():
+                return step()
+        return model, aten_step
+    return model, step
 
 
 # --- the suite --------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ def test_prefix_is_bidirectional_and_the_rest_causal(options):
     out = model(x, prefix_len=4)
     assert (model(changed(x, 3), prefix_len=4)[:, :3] - out[:, :3]).abs().max() > 1e-4   # prefix sees its future
     assert_close(model(changed(x, 6), prefix_len=4)[:, :6], out[:, :6], rtol=0, atol=0)   # after it: causal
-    assert_close(model(x, prefix_len=0), model(x), rtol=0, atol=0)                         # empty prefix = causal
+    # empty prefix = causal (a keep-mask where plain causal has none: in float32 training the two may run
+    # on different fused kernels, SDPA and our CPU kernel, which round differently)
+    assert_close(model(x, prefix_len=0), model(x), rtol=1e-5, atol=1e-6)
 
 
 def test_whole_sequence_as_prefix_equals_an_encoder_with_the_same_weights():

@@ -1,6 +1,7 @@
-"""The dense attention kernel: an explicit reference path and a fused
-`scaled_dot_product_attention` path, side by side. The reference is what every fast path and
-every other kernel is tested against."""
+"""The dense attention kernel: an explicit reference path and a fused path, side by side. The fused
+path runs `scaled_dot_product_attention`, or, for float32 CPU training without mask or bias, our own
+compiled kernel (`cpu.py`). The reference is what every fast path and every other kernel is tested
+against."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...interfaces import KV, AttnOut, KernelCaps
+from . import cpu
 
 
 def match_heads(t: Tensor, heads: int) -> Tensor:
@@ -62,6 +64,10 @@ class DenseKernel(nn.Module):
 
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
               causal: bool, gqa: bool = False) -> Tensor:
+        p = self.dropout.p if self.training else 0.0
+        if cpu.applies(q, k, v, mask, bias, p):         # float32 CPU training: our own kernel
+            h = q.shape[1]
+            return cpu.attention(q, match_heads(k, h), match_heads(v, h), self.scale, causal)
         if causal and (mask is not None or bias is not None):
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
             mask = keep if mask is None else mask & keep
@@ -71,7 +77,6 @@ class DenseKernel(nn.Module):
             attn_mask = bias.to(q.dtype)
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        p = self.dropout.p if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
                                               is_causal=causal, scale=self.scale, enable_gqa=gqa)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from polyformer import Decoder, Encoder
+from polyformer.attention.kernels import cpu
 from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.attention.normalize import Softmax
 from polyformer.interfaces import KV
@@ -140,14 +141,19 @@ def test_training_mode_with_zero_dropout_agrees():
 
 
 def count_sdpa(monkeypatch) -> list[int]:
+    """Counts calls of either fused path: scaled_dot_product_attention and, where autograd records
+    a float32 CPU call without mask or bias, our compiled kernel."""
     calls = [0]
-    real = F.scaled_dot_product_attention
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    def counted(real):
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+        return counting
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        counted(F.scaled_dot_product_attention))
+    monkeypatch.setattr(cpu, "attention", counted(cpu.attention))
     return calls
 
 

@@ -1,0 +1,219 @@
+// Exact softmax attention for float32 on the CPU, forward and backward, in blocks of query rows.
+//
+// For each (batch, head) and each block of BLOCK query rows, the scores of the block against the
+// keys it may see are one BLAS product held in a per-thread buffer (BLOCK x keys floats, which stays
+// in cache), the softmax runs on that buffer in place, and a second product gives the block's output.
+// A causal block reads only the keys up to its last row, so the products skip the upper triangle.
+// The forward keeps the log-sum-exp of each row; the backward recomputes the weights from it (the
+// FlashAttention recipe, arXiv:2205.14135 section 3.1) with five products per block:
+//   S = scale Q K^T, P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
+//   dQ = scale dS K, dK += scale dS^T Q.
+// Parallel over (batch, head); inside a task the blocks run in order, so dK and dV accumulate
+// without races. The products go to the BLAS that PyTorch itself links (sgemm_).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
+
+namespace {
+
+constexpr int64_t BLOCK = 64;
+
+// exp(x) for x <= 0, written so that the compiler vectorises the loops that call it: x = n ln2 + f
+// with n an integer and |f| <= ln2 / 2, 2^n built in the exponent bits, e^f by its Taylor series to
+// degree 7 (truncation below 6e-9 relative). Arguments under -87 give about 1.6e-38, not 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  const float f = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2, split for precision
+  float p = 1.0f / 5040.0f + f * (1.0f / 40320.0f);
+  p = 1.0f / 720.0f + f * p;
+  p = 1.0f / 120.0f + f * p;
+  p = 1.0f / 24.0f + f * p;
+  p = 1.0f / 6.0f + f * p;
+  p = 0.5f + f * p;
+  p = 1.0f + f * p;
+  p = 1.0f + f * p;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Row-major C (m x n) = alpha op(A) op(B) + beta C, through the column-major BLAS: C^T = op(B)^T op(A)^T.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k);
+  const int LDA = static_cast<int>(lda), LDB = static_cast<int>(ldb), LDC = static_cast<int>(ldc);
+  sgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
+}
+
+// Keys row `row` may see: all of them, or (causal, top-left aligned) those up to its own position.
+inline int64_t visible(int64_t row, int64_t keys, bool causal) {
+  return causal ? std::min(row + 1, keys) : keys;
+}
+
+struct Matrix {           // one (batch, head) slice of a (b, h, t, d) tensor with unit stride in d
+  const float* data;
+  int64_t ld;
+};
+
+inline Matrix slice(const at::Tensor& t, int64_t b, int64_t h) {
+  return {t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1), t.stride(2)};
+}
+
+inline float* slice_mut(at::Tensor& t, int64_t b, int64_t h) {
+  return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4,
+                "cpu attention takes float32 CPU tensors of shape (batch, heads, seq, dim)");
+    TORCH_CHECK(t->stride(3) == 1, "cpu attention needs unit stride in the last dimension");
+  }
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && k.size(0) == v.size(0) &&
+              k.size(1) == v.size(1) && k.size(2) == v.size(2) && q.size(3) == k.size(3),
+              "cpu attention: q, k, v disagree in batch, heads, key length or head dim");
+  TORCH_CHECK(k.size(2) > 0, "cpu attention needs at least one key");
+}
+
+}  // namespace
+
+// Returns (out (b, h, i, dv) laid out as (b, i, h, dv), lse (b, h, i)).
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                double scale, bool causal) {
+  check_inputs(q, k, v);
+  const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
+                DV = v.size(3);
+  at::Tensor out = at::empty({B, I, H, DV}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({B, H, I}, q.options());
+  const float alpha = static_cast<float>(scale);
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(BLOCK * std::max<int64_t>(J, 1)), inv_sum(BLOCK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
+      float* O = slice_mut(out, b, h);
+      const int64_t ldo = out.stride(2);
+      float* L = slice_mut(lse, b, h);
+      for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
+        const int64_t rows = std::min(BLOCK, I - i0);
+        const int64_t keys = visible(i0 + rows - 1, J, causal);
+        float* S = scores.data();
+        gemm(false, true, rows, keys, D, alpha, Q.data + i0 * Q.ld, Q.ld, K.data, K.ld, 0.f, S, keys);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = S + r * keys;
+          const int64_t n = visible(i0 + r, keys, causal);
+          float m = s[0];
+#pragma omp simd reduction(max : m)
+          for (int64_t c = 1; c < n; ++c) m = std::max(m, s[c]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < n; ++c) {
+            const float e = exp_nonpositive(s[c] - m);
+            s[c] = e;
+            sum += e;
+          }
+          for (int64_t c = n; c < keys; ++c) s[c] = 0.f;
+          inv_sum[r] = 1.f / sum;
+          L[i0 + r] = m + std::log(sum);
+        }
+        // unnormalised weights times values, then each output row divided by its sum: rows x dv
+        // multiplications instead of rows x keys
+        gemm(false, false, rows, DV, keys, 1.f, S, keys, V.data, V.ld, 0.f, O + i0 * ldo, ldo);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* o = O + (i0 + r) * ldo;
+          const float inv = inv_sum[r];
+#pragma omp simd
+          for (int64_t c = 0; c < DV; ++c) o[c] *= inv;
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// Returns (dq, dk, dv) for grad_out (b, h, i, dv) given the forward's out and lse.
+std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 double scale, bool causal) {
+  check_inputs(q, k, v);
+  TORCH_CHECK(grad_out.stride(3) == 1 && out.stride(3) == 1 && lse.is_contiguous(),
+              "cpu attention backward: unexpected layout of grad_out, out or lse");
+  const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
+                DV = v.size(3);
+  at::Tensor dq = at::empty({B, I, H, D}, q.options()).transpose(1, 2);
+  at::Tensor dk = at::zeros({B, J, H, D}, q.options()).transpose(1, 2);
+  at::Tensor dv = at::zeros({B, J, H, DV}, q.options()).transpose(1, 2);
+  const float alpha = static_cast<float>(scale);
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p_buf(BLOCK * std::max<int64_t>(J, 1)), dp_buf(BLOCK * std::max<int64_t>(J, 1));
+    std::vector<float> delta(BLOCK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
+      const Matrix dO = slice(grad_out, b, h), O = slice(out, b, h);
+      const float* L = lse.data_ptr<float>() + (b * H + h) * I;
+      float* dQ = slice_mut(dq, b, h);
+      float* dK = slice_mut(dk, b, h);
+      float* dV = slice_mut(dv, b, h);
+      const int64_t ldq = dq.stride(2), ldk = dk.stride(2), ldv = dv.stride(2);
+      for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
+        const int64_t rows = std::min(BLOCK, I - i0);
+        const int64_t keys = visible(i0 + rows - 1, J, causal);
+        float* P = p_buf.data();
+        float* dP = dp_buf.data();
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* o = O.data + (i0 + r) * O.ld;
+          const float* g = dO.data + (i0 + r) * dO.ld;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t c = 0; c < DV; ++c) acc += o[c] * g[c];
+          delta[r] = acc;
+        }
+        // transposed blocks (keys x rows): the two products that accumulate into dK and dV then read
+        // their left operand in order, which the BLAS runs about a quarter faster
+        const float* Qb = Q.data + i0 * Q.ld;
+        const float* dOb = dO.data + i0 * dO.ld;
+        gemm(false, true, keys, rows, D, alpha, K.data, K.ld, Qb, Q.ld, 0.f, P, rows);
+        for (int64_t c = 0; c < keys; ++c) {
+          float* p = P + c * rows;
+          const int64_t first = causal ? std::max<int64_t>(c - i0, 0) : 0;  // first row that sees key c
+          for (int64_t r = 0; r < first; ++r) p[r] = 0.f;
+#pragma omp simd
+          for (int64_t r = first; r < rows; ++r) p[r] = exp_nonpositive(p[r] - L[i0 + r]);
+        }
+        gemm(false, false, keys, DV, rows, 1.f, P, rows, dOb, dO.ld, 1.f, dV, ldv);
+        gemm(false, true, keys, rows, DV, 1.f, V.data, V.ld, dOb, dO.ld, 0.f, dP, rows);
+        for (int64_t c = 0; c < keys; ++c) {
+          const float* p = P + c * rows;
+          float* ds = dP + c * rows;
+#pragma omp simd
+          for (int64_t r = 0; r < rows; ++r) ds[r] = p[r] * (ds[r] - delta[r]);
+        }
+        gemm(true, false, rows, D, keys, alpha, dP, rows, K.data, K.ld, 0.f, dQ + i0 * ldq, ldq);
+        gemm(false, false, keys, D, rows, alpha, dP, rows, Qb, Q.ld, 1.f, dK, ldk);
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "exact attention forward (float32, CPU)");
+  m.def("backward", &backward, "exact attention backward (float32, CPU)");
+}

@@ -1,0 +1,213 @@
+"""Our compiled CPU attention kernel, polyformer/attention/kernels/cpu.py: its output and all three
+gradients equal the explicit reference path on either side of its 64-row blocks, causal or not, with
+more or fewer keys than queries, on strided inputs; the dense kernel takes it exactly when it may
+(float32 CPU training without mask, bias or dropout) and keeps scaled_dot_product_attention
+otherwise; a model trained through it gets the gradients it gets through the fused ATen kernel."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from polyformer.attention.kernels import cpu
+from polyformer.attention.kernels.dense import DenseKernel
+from polyformer.attention.normalize import Softmax
+from polyformer.interfaces import KV
+from tests.helpers import tiny_lm
+
+
+def test_the_kernel_builds_on_this_machine():
+    assert cpu.extension() is not None, cpu._built.get("error")
+
+
+def reference(q, k, v, scale, causal):
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scale
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v.double())
+
+
+def leaves(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
+
+
+def grads_of(leaf, out, grad_out):
+    return (out, *torch.autograd.grad(out, leaf, grad_out.to(out.dtype)))
+
+
+def grads(fn, q, k, v, grad_out):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("i, j", [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (130, 130), (200, 200),
+                                  (70, 150), (150, 70), (1, 40)])
+@pytest.mark.parametrize("d, dv", [(16, 16), (8, 12)])
+def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv):
+    q, k, v = leaves((2, 3, i, d), (2, 3, j, d), (2, 3, j, dv))
+    grad_out = torch.randn(2, 3, i, dv)
+    scale = d ** -0.5
+    ours = grads(lambda *t: cpu.attention(*t, scale, causal), q, k, v, grad_out)
+    ref = grads(lambda *t: reference(*t, scale, causal), q, k, v, grad_out)
+    for a, b in zip(ours, ref):
+        assert_close(a, b.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_strided_inputs_and_a_stride_zero_head():
+    """Heads read in place from a fused (b, n, 3, h, d) projection, and one kv head expanded over all."""
+    b, n, h, d = 2, 90, 4, 16
+    (qkv,) = leaves((b, n, 3, h, d))
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)                      # each (b, h, n, d), rows 3 h d apart
+    assert q.stride(-2) == 3 * h * d
+    grad_out = torch.randn(b, h, n, d)
+    ours, ref = (grads_of(qkv, run(q, k, v, 0.3, True), grad_out) for run in (cpu.attention, reference))
+    for a, r in zip(ours, ref):
+        assert_close(a, r.float(), atol=2e-5, rtol=1e-4)
+    q1, k1, v1 = leaves((b, h, n, d), (b, 1, n, d), (b, 1, n, d), seed=3)
+    ours = grads(lambda q, k, v: cpu.attention(q, k.expand(-1, h, -1, -1), v.expand(-1, h, -1, -1), 0.25, True),
+                 q1, k1, v1, grad_out)
+    ref = grads(lambda q, k, v: reference(q, k.expand(-1, h, -1, -1), v.expand(-1, h, -1, -1), 0.25, True),
+                q1, k1, v1, grad_out)
+    for a, r in zip(ours, ref):
+        assert_close(a, r.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_causal_rows_never_see_later_keys():
+    q, k, v = leaves((1, 2, 150, 8), (1, 2, 150, 8), (1, 2, 150, 8))
+    out = cpu.attention(q, k, v, 0.35, True)
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 100:] += 5.0
+    v2[:, :, 100:] -= 3.0
+    again = cpu.attention(q, k2, v2, 0.35, True)
+    assert torch.equal(out[:, :, :100], again[:, :, :100])
+    assert not torch.allclose(out[:, :, 100:], again[:, :, 100:])
+
+
+def test_large_scores_stay_finite_and_exact():
+    """The softmax subtracts each row's maximum: scores of several hundred do not overflow."""
+    q, k, v = leaves((1, 1, 80, 8), (1, 1, 80, 8), (1, 1, 80, 8))
+    with torch.no_grad():
+        q.mul_(30.0)
+    grad_out = torch.randn(1, 1, 80, 8)
+    ours = grads(lambda *t: cpu.attention(*t, 1.0, True), q, k, v, grad_out)
+    ref = grads(lambda *t: reference(*t, 1.0, True), q, k, v, grad_out)
+    for a, r in zip(ours, ref):
+        assert torch.isfinite(a).all()
+        assert_close(a, r.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_second_derivatives_equal_the_reference():
+    """create_graph=True takes a differentiable backward: a gradient penalty sees attention's curvature."""
+    q, k, v = leaves((1, 2, 70, 8), (1, 2, 70, 8), (1, 2, 70, 8))
+    second = []
+    for fn in (lambda *t: cpu.attention(*t, 0.35, True), lambda *t: reference(*t, 0.35, True)):
+        out = fn(q, k, v)
+        (g,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+        second.append(torch.autograd.grad(g.pow(2).sum(), (q, k, v)))
+    for a, b in zip(*second):
+        assert_close(a, b.float(), atol=1e-4, rtol=1e-4)
+
+
+# --- when the dense kernel takes it -------------------------------------------------------------
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = cpu.attention
+
+    def counted(*args, **kwargs):
+        seen.append(args[3:])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cpu, "attention", counted)
+    return seen
+
+
+def dense_call(*, mask=False, bias=False, dropout=0.0, dtype=torch.float32, grad=True, kv_heads=4):
+    kernel = DenseKernel(4, 0.25, dropout, Softmax()).train()
+    torch.manual_seed(0)
+    q, k, v = (t.to(dtype).requires_grad_(grad) for t in
+               (torch.randn(2, 4, 6, 16), torch.randn(2, kv_heads, 6, 16), torch.randn(2, kv_heads, 6, 16)))
+    keep = torch.ones(2, 1, 1, 6, dtype=torch.bool) if mask else None
+    extra = torch.zeros(1, 4, 6, 6) if bias else None
+    return kernel(q, KV(k, v, None, None), mask=keep, bias=extra, causal=True).out
+
+
+def test_the_dense_kernel_takes_it_for_float32_training(calls):
+    dense_call()
+    dense_call(kv_heads=2)                                      # grouped heads, expanded in place
+    dense_call(kv_heads=1)
+    assert calls == [(0.25, True)] * 3
+
+
+@pytest.mark.parametrize("case", [
+    dict(mask=True), dict(bias=True), dict(dropout=0.1), dict(dtype=torch.float64), dict(grad=False)],
+    ids=["mask", "bias", "dropout", "float64", "no-grad"])
+def test_the_dense_kernel_keeps_sdpa_where_it_does_not_apply(calls, case):
+    dense_call(**case)
+    assert calls == []
+
+
+def test_an_empty_key_set_keeps_sdpa(calls):
+    """No keys at all (an empty context): SDPA's answer (zeros), not a kernel error."""
+    kernel = DenseKernel(4, 0.25, 0.0, Softmax()).train()
+    q = torch.randn(2, 4, 6, 16, requires_grad=True)
+    empty = torch.zeros(2, 4, 0, 16, requires_grad=True)
+    out = kernel(q, KV(empty, empty, None, None), mask=None, bias=None, causal=False).out
+    assert calls == [] and out.shape == (2, 4, 6, 16)
+
+
+def test_autocast_switched_off_and_the_environment_keep_sdpa(calls, monkeypatch):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dense_call()
+    with cpu.switched_off():
+        dense_call()
+    assert calls == []
+    monkeypatch.setenv(cpu.SWITCH, "0")
+    dense_call()
+    assert calls == []
+    monkeypatch.setenv(cpu.SWITCH, "1")
+    dense_call()
+    assert len(calls) == 1
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch, calls):
+    monkeypatch.setattr(cpu, "_built", {})
+
+    def broken():
+        raise OSError("no compiler here")
+    monkeypatch.setattr(cpu, "build", broken)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        out = dense_call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = dense_call()
+    assert calls == [] and torch.equal(out, again)
+
+
+# --- whole models -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(attn_kv_heads=1), dict(rotary_pos_emb=True)],
+                         ids=["plain", "multi-query", "rotary"])
+def test_a_model_trains_to_the_same_gradients_as_through_sdpa(calls, kw):
+    model = tiny_lm(seed=0, depth=2, max_seq_len=80, **kw).train()
+    x = torch.randint(0, model.num_tokens, (2, 80), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads():
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        return loss, torch.autograd.grad(loss, list(model.parameters()))
+    ours = loss_and_grads()
+    assert len(calls) == 2                                      # one per layer
+    with cpu.switched_off():
+        theirs = loss_and_grads()
+    assert len(calls) == 2
+    assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours[1], theirs[1]):
+        assert_close(a, b, atol=1e-5, rtol=1e-4)
+
