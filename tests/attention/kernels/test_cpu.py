@@ -154,7 +154,7 @@ def test_the_dense_kernel_keeps_sdpa_where_it_does_not_apply(calls, case):
 
 
 def test_an_empty_key_set_keeps_sdpa(calls):
-    """No keys at all (an empty context): SDPA's answer (zeros), not a kernel error."""
+    """No keys at all (an empty context) goes to SDPA, as before, not to a kernel error."""
     kernel = DenseKernel(4, 0.25, 0.0, Softmax()).train()
     q = torch.randn(2, 4, 6, 16, requires_grad=True)
     empty = torch.zeros(2, 4, 0, 16, requires_grad=True)
