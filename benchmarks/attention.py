@@ -4,6 +4,7 @@
 and the explicit einsum + softmax path (x-transformers' default attention).
 
     python -m benchmarks.attention [--repeats 7] [--out docs/benchmarks/attention.json]
+    python -m benchmarks.run --suite attention      # the same, as a section of docs/benchmarks.md
 
 Causal self-attention, float32, 8 heads of 64, seq 512 batch 8 and seq 1024 batch 4, the process's
 threads (2 by default). Forward alone (autograd recording, as in training) and forward + backward
@@ -99,7 +100,7 @@ def run(repeats: int) -> dict[str, Any]:
     return record
 
 
-def markdown(record: dict[str, Any]) -> str:
+def markdown(record: dict[str, Any], footer: bool = True) -> str:
     rows = []
     for shape in record["shapes"].values():
         seq, batch, med = shape["seq"], shape["batch"], shape["median_seconds"]
@@ -121,10 +122,9 @@ def markdown(record: dict[str, Any]) -> str:
         markdown_table(["seq x batch", "part", "kernel", "ms", "GFLOP/s", "polyformer speedup"], rows), "",
         "Largest difference of outputs and gradients from the explicit path: "
         + ", ".join(f"{s['seq']} x {s['batch']}: {s['max_difference']:.1e}" for s in record["shapes"].values())
-        + ".", "",
-        f"Measured {env['date']} on {env['cpu']}, torch {env['packages']['torch']}, "
-        f"polyformer commit {env['polyformer_commit']}.",
-    ])
+        + ".",
+    ] + (["", f"Measured {env['date']} on {env['cpu']}, torch {env['packages']['torch']}, "
+              f"polyformer commit {env['polyformer_commit']}."] if footer else []))
 
 
 def main(argv: list[str] | None = None) -> int:

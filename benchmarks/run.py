@@ -5,6 +5,8 @@
 - training: forward + backward + AdamW steps/s and model FLOPs utilisation, polyformer against
   x-transformers 2.31.10 (default and attn_flash=True) and Hugging Face GPT-2 of the same shape;
   polyformer's bf16 autocast and torch.compile (`benchmarks/training.py`).
+- attention: the attention kernel alone at the training shapes, polyformer's CPU kernel against
+  ATen's fused kernel and the explicit path (`benchmarks/attention.py`).
 - inference: batch-1 forward time and peak memory at 1k..16k tokens, a fresh process per run
   (`benchmarks/inference.py`).
 - features: time / memory ratio of each optional feature against the plain model, and whether it
@@ -32,7 +34,7 @@ from typing import Any
 
 from .common import environment, log, markdown_table, others_cpus, set_threads, wait_for_quiet
 
-SUITES = ("training", "inference", "features", "generation")
+SUITES = ("training", "attention", "inference", "features", "generation")
 PACKAGES = ["torch", "polyformer", "x-transformers", "transformers", "einops", "entmax", "matplotlib"]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +66,10 @@ def run_suite(suite: str, args: argparse.Namespace, out_dir: Path) -> None:
     if suite == "training":
         from . import training
         rec = training.run(quick=args.quick, repeats=args.repeats, out_dir=out_dir)
+    elif suite == "attention":
+        from . import attention
+        rec = attention.run(args.repeats or (2 if args.quick else 7))
+        rec["markdown"] = attention.markdown(rec, footer=False)
     elif suite == "features":
         from . import features
         rec = features.run(quick=args.quick, repeats=args.repeats, out_dir=out_dir)
@@ -127,7 +133,7 @@ def page(out_dir: Path) -> Path:
              "in the same process (fresh processes for inference), alternating, medians of several repeats. "
              "Random weights and tokens; nothing is downloaded. Reproduce with "
              "`pip install -e \".[bench]\"` and `python -m benchmarks.run --suite all` "
-             "(or one of training, inference, features, generation; `--quick` for a smoke run).", "",
+             "(or one of training, attention, inference, features, generation; `--quick` for a smoke run).", "",
              f"Machine: {env['cpu']}, {env['cpu_count']} cores, python {env['python']}; "
              + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v) + ". "
              "Wall-clock numbers depend on the machine and its load; each section states the load it was "
