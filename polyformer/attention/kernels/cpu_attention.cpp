@@ -50,6 +50,22 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// The largest of s[0..n), n >= 1: sixteen running maxima side by side, so that the compiler keeps them
+// in one vector register (a plain max reduction stays scalar without -ffast-math).
+inline float row_max(const float* s, int64_t n) {
+  constexpr int64_t W = 16;
+  float lanes[W];
+  for (int64_t j = 0; j < W; ++j) lanes[j] = s[0];
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    for (int64_t j = 0; j < W; ++j) lanes[j] = s[c + j] > lanes[j] ? s[c + j] : lanes[j];
+  }
+  float m = lanes[0];
+  for (int64_t j = 1; j < W; ++j) m = lanes[j] > m ? lanes[j] : m;
+  for (; c < n; ++c) m = s[c] > m ? s[c] : m;
+  return m;
+}
+
 // Row-major C (m x n) = alpha op(A) op(B) + beta C, through the column-major BLAS: C^T = op(B)^T op(A)^T.
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -117,9 +133,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
         for (int64_t r = 0; r < rows; ++r) {
           float* s = S + r * keys;
           const int64_t n = visible(i0 + r, keys, causal);
-          float m = s[0];
-#pragma omp simd reduction(max : m)
-          for (int64_t c = 1; c < n; ++c) m = std::max(m, s[c]);
+          const float m = row_max(s, n);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t c = 0; c < n; ++c) {
