@@ -1,5 +1,5 @@
 """The dense attention kernel: an explicit reference path and a fused path, side by side. The fused
-path runs `scaled_dot_product_attention`, or, for float32 CPU training without mask or bias, our own
+path runs `scaled_dot_product_attention`, or, for float32 on the CPU without mask or bias, our own
 compiled kernel (`cpu.py`). The reference is what every fast path and every other kernel is tested
 against."""
 
@@ -65,7 +65,7 @@ class DenseKernel(nn.Module):
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
               causal: bool, gqa: bool = False) -> Tensor:
         p = self.dropout.p if self.training else 0.0
-        if cpu.applies(q, k, v, mask, bias, p):         # float32 CPU training: our own kernel
+        if cpu.applies(q, k, v, mask, bias, p):         # float32 on the CPU: our own kernel
             h = q.shape[1]
             return cpu.attention(q, match_heads(k, h), match_heads(v, h), self.scale, causal)
         if causal and (mask is not None or bias is not None):
