@@ -1,9 +1,10 @@
 // Exact softmax attention for float32 on the CPU, forward and backward, in blocks of query rows.
 //
-// For each (batch, head) and each block of BLOCK query rows, the scores of the block against the
-// keys it may see are one BLAS product held in a per-thread buffer (BLOCK x keys floats, which stays
-// in cache), the softmax runs on that buffer in place, and a second product gives the block's output.
-// A causal block reads only the keys up to its last row, so the products skip the upper triangle.
+// For each (batch, head) and each block of BLOCK query rows, the scores of the block against a chunk
+// of up to CHUNK keys it may see are one BLAS product held in a per-thread buffer (BLOCK x CHUNK
+// floats, which stays in L2), the softmax runs on that buffer in place (with a running maximum and
+// sum across chunks), and a second product adds the chunk's share of the block's output. A causal
+// block reads only the keys up to its last row, so the products skip the upper triangle.
 // The forward keeps the log-sum-exp of each row; the backward recomputes the weights from it (the
 // FlashAttention recipe, arXiv:2205.14135 section 3.1) with five products per block:
 //   S = scale Q K^T, P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
@@ -26,7 +27,8 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
-constexpr int64_t BLOCK = 64;
+constexpr int64_t BLOCK = 64;    // query rows per block
+int64_t CHUNK = 1024;             // keys per chunk: a block's scores (BLOCK x CHUNK floats) stay in L2
 
 // exp(x) for x <= 0, written so that the compiler vectorises the loops that call it: x = n ln2 + f
 // with n an integer and |f| <= ln2 / 2, 2^n built in the exponent bits, e^f by its Taylor series to
@@ -118,41 +120,64 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(BLOCK * std::max<int64_t>(J, 1)), inv_sum(BLOCK);
+    const int64_t chunk_max = std::min(CHUNK, J);
+    std::vector<float> scores(BLOCK * chunk_max), row_m(BLOCK), row_l(BLOCK), rescale(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
-      float* O = slice_mut(out, b, h);
       const int64_t ldo = out.stride(2);
       float* L = slice_mut(lse, b, h);
       for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
         const int64_t rows = std::min(BLOCK, I - i0);
         const int64_t keys = visible(i0 + rows - 1, J, causal);
+        const float* Qb = Q.data + i0 * Q.ld;
+        float* Ob = slice_mut(out, b, h) + i0 * ldo;
         float* S = scores.data();
-        gemm(false, true, rows, keys, D, alpha, Q.data + i0 * Q.ld, Q.ld, K.data, K.ld, 0.f, S, keys);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = S + r * keys;
-          const int64_t n = visible(i0 + r, keys, causal);
-          const float m = row_max(s, n);
-          float sum = 0.f;
+        // key chunks with a running maximum and sum per row (online softmax): every row sees key 0,
+        // so after the first chunk each row's maximum is finite
+        for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
+          const int64_t cols = std::min(CHUNK, keys - j0);
+          gemm(false, true, rows, cols, D, alpha, Qb, Q.ld, K.data + j0 * K.ld, K.ld, 0.f, S, cols);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = S + r * cols;
+            const int64_t n = std::min(visible(i0 + r, keys, causal) - j0, cols);  // visible here
+            if (n <= 0) {
+              std::fill_n(s, cols, 0.f);
+              rescale[r] = 1.f;
+              continue;
+            }
+            const float m = j0 == 0 ? row_max(s, n) : std::max(row_m[r], row_max(s, n));
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < n; ++c) {
-            const float e = exp_nonpositive(s[c] - m);
-            s[c] = e;
-            sum += e;
+            for (int64_t c = 0; c < n; ++c) {
+              const float e = exp_nonpositive(s[c] - m);
+              s[c] = e;
+              sum += e;
+            }
+            for (int64_t c = n; c < cols; ++c) s[c] = 0.f;
+            rescale[r] = j0 == 0 ? 1.f : std::exp(row_m[r] - m);
+            row_l[r] = j0 == 0 ? sum : row_l[r] * rescale[r] + sum;
+            row_m[r] = m;
           }
-          for (int64_t c = n; c < keys; ++c) s[c] = 0.f;
-          inv_sum[r] = 1.f / sum;
-          L[i0 + r] = m + std::log(sum);
-        }
-        // unnormalised weights times values, then each output row divided by its sum: rows x dv
-        // multiplications instead of rows x keys
-        gemm(false, false, rows, DV, keys, 1.f, S, keys, V.data, V.ld, 0.f, O + i0 * ldo, ldo);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* o = O + (i0 + r) * ldo;
-          const float inv = inv_sum[r];
+          if (j0 > 0) {
+            for (int64_t r = 0; r < rows; ++r) {
+              float* o = Ob + r * ldo;
+              const float c = rescale[r];
 #pragma omp simd
-          for (int64_t c = 0; c < DV; ++c) o[c] *= inv;
+              for (int64_t d = 0; d < DV; ++d) o[d] *= c;
+            }
+          }
+          // unnormalised weights times values; each output row is divided by its sum at the end
+          // (rows x dv multiplications instead of rows x keys)
+          gemm(false, false, rows, DV, cols, 1.f, S, cols, V.data + j0 * V.ld, V.ld, j0 == 0 ? 0.f : 1.f,
+               Ob, ldo);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* o = Ob + r * ldo;
+          const float inv = 1.f / row_l[r];
+#pragma omp simd
+          for (int64_t d = 0; d < DV; ++d) o[d] *= inv;
+          L[i0 + r] = row_m[r] + std::log(row_l[r]);
         }
       }
     }
@@ -175,8 +200,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p_buf(BLOCK * std::max<int64_t>(J, 1)), dp_buf(BLOCK * std::max<int64_t>(J, 1));
-    std::vector<float> delta(BLOCK);
+    const int64_t chunk_max = std::min(CHUNK, J);
+    std::vector<float> p_buf(BLOCK * chunk_max), dp_buf(BLOCK * chunk_max), delta(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
@@ -199,35 +224,47 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
           for (int64_t c = 0; c < DV; ++c) acc += o[c] * g[c];
           delta[r] = acc;
         }
-        // transposed blocks (keys x rows): the two products that accumulate into dK and dV then read
-        // their left operand in order, which the BLAS runs about a quarter faster
         const float* Qb = Q.data + i0 * Q.ld;
         const float* dOb = dO.data + i0 * dO.ld;
-        gemm(false, true, keys, rows, D, alpha, K.data, K.ld, Qb, Q.ld, 0.f, P, rows);
-        for (int64_t c = 0; c < keys; ++c) {
-          float* p = P + c * rows;
-          const int64_t first = causal ? std::max<int64_t>(c - i0, 0) : 0;  // first row that sees key c
-          for (int64_t r = 0; r < first; ++r) p[r] = 0.f;
+        // key chunks; transposed blocks (cols x rows): the two products that accumulate into dK and dV
+        // then read their left operand in order, which the BLAS runs about a quarter faster
+        for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
+          const int64_t cols = std::min(CHUNK, keys - j0);
+          const float* Kc = K.data + j0 * K.ld;
+          gemm(false, true, cols, rows, D, alpha, Kc, K.ld, Qb, Q.ld, 0.f, P, rows);
+          for (int64_t c = 0; c < cols; ++c) {
+            float* p = P + c * rows;
+            // first row that sees key j0 + c
+            const int64_t first = causal ? std::min(std::max<int64_t>(j0 + c - i0, 0), rows) : 0;
+            for (int64_t r = 0; r < first; ++r) p[r] = 0.f;
 #pragma omp simd
-          for (int64_t r = first; r < rows; ++r) p[r] = exp_nonpositive(p[r] - L[i0 + r]);
-        }
-        gemm(false, false, keys, DV, rows, 1.f, P, rows, dOb, dO.ld, 1.f, dV, ldv);
-        gemm(false, true, keys, rows, DV, 1.f, V.data, V.ld, dOb, dO.ld, 0.f, dP, rows);
-        for (int64_t c = 0; c < keys; ++c) {
-          const float* p = P + c * rows;
-          float* ds = dP + c * rows;
+            for (int64_t r = first; r < rows; ++r) p[r] = exp_nonpositive(p[r] - L[i0 + r]);
+          }
+          gemm(false, false, cols, DV, rows, 1.f, P, rows, dOb, dO.ld, 1.f, dV + j0 * ldv, ldv);
+          gemm(false, true, cols, rows, DV, 1.f, V.data + j0 * V.ld, V.ld, dOb, dO.ld, 0.f, dP, rows);
+          for (int64_t c = 0; c < cols; ++c) {
+            const float* p = P + c * rows;
+            float* ds = dP + c * rows;
 #pragma omp simd
-          for (int64_t r = 0; r < rows; ++r) ds[r] = p[r] * (ds[r] - delta[r]);
+            for (int64_t r = 0; r < rows; ++r) ds[r] = p[r] * (ds[r] - delta[r]);
+          }
+          gemm(true, false, rows, D, cols, alpha, dP, rows, Kc, K.ld, j0 == 0 ? 0.f : 1.f, dQ + i0 * ldq, ldq);
+          gemm(false, false, cols, D, rows, alpha, dP, rows, Qb, Q.ld, 1.f, dK + j0 * ldk, ldk);
         }
-        gemm(true, false, rows, D, keys, alpha, dP, rows, K.data, K.ld, 0.f, dQ + i0 * ldq, ldq);
-        gemm(false, false, keys, D, rows, alpha, dP, rows, Qb, Q.ld, 1.f, dK, ldk);
       }
     }
   });
   return {dq, dk, dv};
 }
 
+// Keys per chunk, for tests that span several chunks with small inputs.
+void set_chunk(int64_t keys) {
+  TORCH_CHECK(keys >= 1, "set_chunk: keys per chunk must be at least 1");
+  CHUNK = keys;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_chunk", &set_chunk, "keys per chunk (default 1024)");
   m.def("forward", &forward, "exact attention forward (float32, CPU)");
   m.def("backward", &backward, "exact attention backward (float32, CPU)");
 }

@@ -45,11 +45,19 @@ def grads(fn, q, k, v, grad_out):
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
 
 
+@pytest.fixture(params=[1024, 48], ids=["chunk1024", "chunk48"])
+def chunk(request):
+    """Keys per chunk: the default, and one small enough that the shapes below span several chunks."""
+    cpu.extension().set_chunk(request.param)
+    yield request.param
+    cpu.extension().set_chunk(1024)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("i, j", [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (130, 130), (200, 200),
                                   (70, 150), (150, 70), (1, 40)])
 @pytest.mark.parametrize("d, dv", [(16, 16), (8, 12)])
-def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv):
+def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv, chunk):
     q, k, v = leaves((2, 3, i, d), (2, 3, j, d), (2, 3, j, dv))
     grad_out = torch.randn(2, 3, i, dv)
     scale = d ** -0.5
@@ -78,6 +86,16 @@ def test_strided_inputs_and_a_stride_zero_head():
         assert_close(a, r.float(), atol=2e-5, rtol=1e-4)
 
 
+def test_more_keys_than_the_default_chunk():
+    q, k, v = leaves((1, 2, 1100, 16), (1, 2, 1100, 16), (1, 2, 1100, 16))
+    grad_out = torch.randn(1, 2, 1100, 16)
+    for causal in (True, False):
+        ours = grads(lambda *t: cpu.attention(*t, 0.25, causal), q, k, v, grad_out)
+        ref = grads(lambda *t: reference(*t, 0.25, causal), q, k, v, grad_out)
+        for a, r in zip(ours, ref):
+            assert_close(a, r.float(), atol=2e-5, rtol=1e-4)
+
+
 def test_causal_rows_never_see_later_keys():
     q, k, v = leaves((1, 2, 150, 8), (1, 2, 150, 8), (1, 2, 150, 8))
     out = cpu.attention(q, k, v, 0.35, True)
@@ -89,8 +107,9 @@ def test_causal_rows_never_see_later_keys():
     assert not torch.allclose(out[:, :, 100:], again[:, :, 100:])
 
 
-def test_large_scores_stay_finite_and_exact():
-    """The softmax subtracts each row's maximum: scores of several hundred do not overflow."""
+def test_large_scores_stay_finite_and_exact(chunk):
+    """The softmax subtracts each row's running maximum: scores of several hundred do not overflow,
+    also when a later chunk of keys raises the maximum."""
     q, k, v = leaves((1, 1, 80, 8), (1, 1, 80, 8), (1, 1, 80, 8))
     with torch.no_grad():
         q.mul_(30.0)
@@ -153,6 +172,19 @@ def test_the_dense_kernel_takes_it_for_float32_without_mask_or_bias(calls):
 def test_the_dense_kernel_keeps_sdpa_where_it_does_not_apply(calls, case):
     dense_call(**case)
     assert calls == []
+
+
+def test_long_inference_keeps_sdpa_and_long_training_does_not(calls):
+    kernel = DenseKernel(2, 0.25, 0.0, Softmax())
+    n = cpu.LONGEST_INFERENCE + 1
+    q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+    with torch.no_grad():
+        kernel(q[:, :, :8], KV(k[:, :, :-1], v[:, :, :-1], None, None), mask=None, bias=None, causal=False)
+        assert len(calls) == 1
+        kernel(q[:, :, :8], KV(k, v, None, None), mask=None, bias=None, causal=False)
+        assert len(calls) == 1
+    kernel(q[:, :, :8].requires_grad_(), KV(k, v, None, None), mask=None, bias=None, causal=False)
+    assert len(calls) == 2
 
 
 def test_an_empty_key_set_keeps_sdpa(calls):
