@@ -8,11 +8,12 @@ running maximum and sum join the chunks), skipping the causal upper triangle, an
 (seq 1024, batch 4) faster than ATen's (`benchmarks/attention.py`).
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout, outside
-`torch.compile`, export, tracing and autocast: always in training (forward + backward is faster at
+export, tracing and autocast: always in training (forward + backward is faster at
 every length measured, 1.08x at 8k keys), and without autograd up to LONGEST_INFERENCE keys, past
 which ATen's forward is as fast or faster. Everything else keeps `scaled_dot_product_attention`.
 It is built once per machine on first use with `torch.utils.cpp_extension` (a C++ compiler and
-ninja; about 30 s) into PyTorch's extension cache.
+ninja; about 30 s) into PyTorch's extension cache. It is a registered operator
+(`polyformer::attention`), so `torch.compile` keeps it in its graphs, once an eager call has built it.
 Where it cannot be built, one warning says why and `scaled_dot_product_attention` runs instead.
 `POLYFORMER_CPU_ATTENTION=0` in the environment turns it off.
 """
@@ -93,20 +94,22 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
         return False
     if any(t.dtype != torch.float32 for t in (q, k, v)) or torch.is_autocast_enabled("cpu"):
         return False
-    if (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch.jit.is_scripting()):
+    if torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.jit.is_scripting():
         return False
     if _off[0] or os.environ.get(SWITCH, "1") == "0":
         return False
+    if torch.compiler.is_compiling():       # a traced graph takes it once an eager call has built it
+        return "module" in _built
     return extension() is not None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
     """softmax(q k^T scale, causal top-left aligned) v for q (b, h, i, d), k (b, h, j, d), v (b, h, j, dv).
 
-    The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view.
+    The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view. A registered
+    operator (`polyformer::attention`), so that `torch.compile` keeps it in its graphs.
     """
-    return CpuAttention.apply(q, k, v, scale, causal)
+    return attention_op(q, k, v, scale, causal)[0]
 
 
 def unit_stride(t: Tensor) -> Tensor:
@@ -114,22 +117,54 @@ def unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
 
 
-class CpuAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
-        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-        out, lse = extension().forward(q, k, v, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal = scale, causal
-        return out
+def heads_inner(b: int, n: int, h: int, d: int, like: Tensor) -> Tensor:
+    """A new (b, h, n, d) tensor laid out as (b, n, h, d), the kernel's output layout."""
+    return like.new_empty(b, n, h, d).transpose(1, 2)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():             # create_graph=True: a differentiable backward
-            return (*explicit_gradients(q, k, v, grad, ctx.scale, ctx.causal), None, None)
-        dq, dk, dv = extension().backward(unit_stride(grad), q, k, v, out, lse, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None
+
+@torch.library.custom_op("polyformer::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    out, lse = extension().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal)
+    return out, lse
+
+
+@attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    b, h, i, _ = q.shape
+    return heads_inner(b, i, h, v.shape[-1], q), q.new_empty(b, h, i)
+
+
+@torch.library.custom_op("polyformer::attention_backward", mutates_args=())
+def attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = extension().backward(unit_stride(grad), unit_stride(q), unit_stride(k), unit_stride(v),
+                                      out, lse, scale, causal)
+    return dq, dk, dv
+
+
+@attention_backward_op.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+      causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    b, h, i, d = q.shape
+    j = k.shape[-2]
+    return heads_inner(b, i, h, d, q), heads_inner(b, j, h, d, k), heads_inner(b, j, h, v.shape[-1], v)
+
+
+def _save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _backward(ctx: Any, grad: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    if torch.is_grad_enabled():             # create_graph=True: a differentiable backward
+        return (*explicit_gradients(q, k, v, grad, ctx.scale, ctx.causal), None, None)
+    return (*attention_backward_op(grad, q, k, v, out, lse, ctx.scale, ctx.causal), None, None)
+
+
+attention_op.register_autograd(_backward, setup_context=_save)
 
 
 def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: float,

@@ -245,3 +245,26 @@ def test_a_model_trains_to_the_same_gradients_as_through_sdpa(calls, kw):
     for a, b in zip(ours[1], theirs[1]):
         assert_close(a, b, atol=1e-5, rtol=1e-4)
 
+
+
+def test_torch_compile_keeps_the_kernel_in_one_graph():
+    """A registered operator: dynamo traces it into the graph (no break) once an eager call built it,
+    and the compiled model trains to the eager model's gradients."""
+    assert cpu.extension() is not None
+    model = tiny_lm(seed=0, depth=2, max_seq_len=64).train()
+    x = torch.randint(0, model.num_tokens, (2, 64), generator=torch.Generator().manual_seed(1))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    out, ref = compiled(x), model(x)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert len(graphs) == 1 and sum("polyformer.attention" in t for t in targets) == 2
+    assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ours = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+    theirs = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, atol=1e-5, rtol=1e-4)
