@@ -89,6 +89,10 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
     """Whether this call runs on the compiled kernel (builds it on the first call that would)."""
     if mask is not None or bias is not None or dropout > 0 or q.device.type != "cpu" or k.shape[-2] == 0:
         return False
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+            and k.shape[-2] == v.shape[-2] and q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0
+            and k.shape[1] == v.shape[1]):
+        return False                        # shapes SDPA broadcasts (a batch of 1 against b ...)
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not recording and k.shape[-2] > LONGEST_INFERENCE:
         return False
@@ -113,8 +117,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Te
 
 
 def unit_stride(t: Tensor) -> Tensor:
-    """t itself when the BLAS can read its rows in place (unit stride within a row, rows apart)."""
-    return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
+    """t itself when the BLAS can read its rows in place (unit stride within a row, rows apart); the
+    kernel reads a length-1 sequence dimension whatever its stride."""
+    if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def module() -> Any:
+    """The compiled module, or a RuntimeError that says why there is none."""
+    built = extension()
+    if built is None:
+        raise RuntimeError(f"polyformer's CPU attention kernel is not available: {_built.get('error')}")
+    return built
 
 
 def heads_inner(b: int, n: int, h: int, d: int, like: Tensor) -> Tensor:
@@ -124,7 +139,7 @@ def heads_inner(b: int, n: int, h: int, d: int, like: Tensor) -> Tensor:
 
 @torch.library.custom_op("polyformer::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    out, lse = extension().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal)
+    out, lse = module().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal)
     return out, lse
 
 
@@ -137,7 +152,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tens
 @torch.library.custom_op("polyformer::attention_backward", mutates_args=())
 def attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = extension().backward(unit_stride(grad), unit_stride(q), unit_stride(k), unit_stride(v),
+    dq, dk, dv = module().backward(unit_stride(grad), unit_stride(q), unit_stride(k), unit_stride(v),
                                       out, lse, scale, causal)
     return dq, dk, dv
 

@@ -87,8 +87,14 @@ struct Matrix {           // one (batch, head) slice of a (b, h, t, d) tensor wi
   int64_t ld;
 };
 
+// The BLAS wants a leading dimension of at least the row length; a length-1 sequence dimension may
+// carry any stride (torch ignores it), so its rows are given the row length.
+inline int64_t leading(const at::Tensor& t) {
+  return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
+}
+
 inline Matrix slice(const at::Tensor& t, int64_t b, int64_t h) {
-  return {t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1), t.stride(2)};
+  return {t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1), leading(t)};
 }
 
 inline float* slice_mut(at::Tensor& t, int64_t b, int64_t h) {
@@ -99,7 +105,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4,
                 "cpu attention takes float32 CPU tensors of shape (batch, heads, seq, dim)");
-    TORCH_CHECK(t->stride(3) == 1, "cpu attention needs unit stride in the last dimension");
+    TORCH_CHECK(t->stride(3) == 1 && leading(*t) >= t->size(3),
+                "cpu attention needs unit stride in the last dimension and rows that do not overlap");
   }
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && k.size(0) == v.size(0) &&
               k.size(1) == v.size(1) && k.size(2) == v.size(2) && q.size(3) == k.size(3),
@@ -190,7 +197,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                  double scale, bool causal) {
   check_inputs(q, k, v);
-  TORCH_CHECK(grad_out.stride(3) == 1 && out.stride(3) == 1 && lse.is_contiguous(),
+  TORCH_CHECK(grad_out.stride(3) == 1 && leading(grad_out) >= grad_out.size(3) && out.stride(3) == 1 &&
+                  lse.is_contiguous(),
               "cpu attention backward: unexpected layout of grad_out, out or lse");
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
@@ -257,7 +265,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
   return {dq, dk, dv};
 }
 
-// Keys per chunk, for tests that span several chunks with small inputs.
+// Keys per chunk, for tests that span several chunks with small inputs (a global: not to be changed
+// while a kernel runs).
 void set_chunk(int64_t keys) {
   TORCH_CHECK(keys >= 1, "set_chunk: keys per chunk must be at least 1");
   CHUNK = keys;
@@ -265,6 +274,9 @@ void set_chunk(int64_t keys) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunk", &set_chunk, "keys per chunk (default 1024)");
-  m.def("forward", &forward, "exact attention forward (float32, CPU)");
-  m.def("backward", &backward, "exact attention backward (float32, CPU)");
+  // the GIL is released: other Python threads run while a kernel does
+  m.def("forward", &forward, "exact attention forward (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("backward", &backward, "exact attention backward (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
