@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from polyformer.attention.kernels import cpu
+from polyformer.attention.kernels.dense import DenseKernel
+from polyformer.attention.normalize import Softmax
+from polyformer.interfaces import KV
 
 from .common import Competitor, environment, log, markdown_table, quiet_rounds, set_threads, write_report
 
@@ -36,9 +39,9 @@ KERNELS = ("polyformer", "ATen fused (SDPA)", "explicit")
 
 
 def explicit(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) * DIM_HEAD ** -0.5
-    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-    return torch.einsum("bhij,bhjd->bhid", scores.masked_fill(~keep, float("-inf")).softmax(-1), v)
+    """polyformer's explicit reference path: einsum, masked softmax, einsum, as x-transformers' default."""
+    kernel = DenseKernel(HEADS, DIM_HEAD ** -0.5, 0.0, Softmax(), fused=False)
+    return kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=True).out
 
 
 def attend(kernel: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:

@@ -118,7 +118,7 @@ def attention_paths(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
 
 
 def fused_verdict(c: dict[str, int]) -> str:
-    fused = c["sdpa"] + c.get("cpu_kernel", 0)
+    fused = c["sdpa"] + c["cpu_kernel"]
     if c["reference"] == 0 and fused > 0:
         return "yes"
     if fused == 0:
@@ -200,7 +200,7 @@ def markdown(record: dict[str, Any]) -> str:
         p = r["paths"]
         rows.append([f"`{label}`", f"{r['time_ratio']:.2f}", f"{r['memory_ratio']:.2f}", r["fused"],
                      f"{r['step_seconds']['median'] * 1e3:.0f} ms, {r['peak_step_bytes'] / 2 ** 20:.0f} MiB "
-                     f"(SDPA {p['sdpa']}, CPU kernel {p.get('cpu_kernel', 0)}, reference {p['reference']})"])
+                     f"(SDPA {p['sdpa']}, CPU kernel {p['cpu_kernel']}, reference {p['reference']})"])
     return "\n".join([
         "## Cost of optional features", "",
         f"polyformer only. Plain: `Decoder(dim={cfg['dim']}, depth={cfg['depth']}, heads={cfg['heads']})`, vocab "
@@ -210,7 +210,7 @@ def markdown(record: dict[str, Any]) -> str:
         "are discarded). Memory: peak tensor bytes allocated during one step over those live at its start "
         f"(torch.profiler's allocator total). Plain: {plain['step_seconds']['median'] * 1e3:.0f} ms/step, "
         f"{plain['peak_step_bytes'] / 2 ** 20:.0f} MiB. Fused: all attention calls of one forward went to "
-        "a fused kernel, `scaled_dot_product_attention` or, in float32 training without mask or bias, "
+        "a fused kernel, `scaled_dot_product_attention` or, in float32 without mask or bias, "
         "polyformer's own CPU kernel (counted against `DenseKernel.reference`).", "",
         markdown_table(["feature", "time ratio", "memory ratio", "keeps fused attention", "step (attention calls)"],
                        rows), ""])

@@ -108,7 +108,8 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
-    """softmax(q k^T scale, causal top-left aligned) v for q (b, h, i, d), k (b, h, j, d), v (b, h, j, dv).
+    """softmax(q k^T scale, causal top-left aligned) v for q (b, h, i, d), k (b, hk, j, d), v (b, hk, j, dv),
+    each of the hk kv heads serving h // hk query heads in a row (grouped-query attention).
 
     The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view. A registered
     operator (`polyformer::attention`), so that `torch.compile` keeps it in its graphs.
@@ -161,8 +162,10 @@ def attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
       causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     b, h, i, d = q.shape
-    j = k.shape[-2]
-    return heads_inner(b, i, h, d, q), heads_inner(b, j, h, d, k), heads_inner(b, j, h, v.shape[-1], v)
+    hk, j = k.shape[1], k.shape[2]
+    if hk == h:
+        return heads_inner(b, i, h, d, q), heads_inner(b, j, h, d, k), heads_inner(b, j, h, v.shape[-1], v)
+    return heads_inner(b, i, h, d, q), k.new_empty(b, hk, j, d), v.new_empty(b, hk, j, v.shape[-1])
 
 
 def _save(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -184,12 +187,13 @@ attention_op.register_autograd(_backward, setup_context=_save)
 
 def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: float,
                        causal: bool) -> tuple[Tensor | None, ...]:
-    """The gradients through plain differentiable operations, so that they have gradients in turn."""
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    if causal:
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+    """The gradients through SDPA's math backend, plain differentiable operations, so that they
+    have gradients in turn."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     wanted = [t for t in (q, k, v) if t.requires_grad]
     found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
     return tuple(next(found) if t.requires_grad else None for t in (q, k, v))

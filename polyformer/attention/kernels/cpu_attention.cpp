@@ -108,9 +108,11 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
     TORCH_CHECK(t->stride(3) == 1 && leading(*t) >= t->size(3),
                 "cpu attention needs unit stride in the last dimension and rows that do not overlap");
   }
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && k.size(0) == v.size(0) &&
-              k.size(1) == v.size(1) && k.size(2) == v.size(2) && q.size(3) == k.size(3),
-              "cpu attention: q, k, v disagree in batch, heads, key length or head dim");
+  TORCH_CHECK(q.size(0) == k.size(0) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+              k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2) &&
+              q.size(3) == k.size(3),
+              "cpu attention: q, k, v disagree in batch, heads (a multiple of the kv heads), key length "
+              "or head dim");
   TORCH_CHECK(k.size(2) > 0, "cpu attention needs at least one key");
 }
 
@@ -122,6 +124,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   check_inputs(q, k, v);
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
+  const int64_t group = H / k.size(1);      // query heads per kv head (grouped-query attention)
   at::Tensor out = at::empty({B, I, H, DV}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, I}, q.options());
   const float alpha = static_cast<float>(scale);
@@ -131,7 +134,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     std::vector<float> scores(BLOCK * chunk_max), row_m(BLOCK), row_l(BLOCK), rescale(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
-      const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
+      const Matrix Q = slice(q, b, h), K = slice(k, b, h / group), V = slice(v, b, h / group);
       const int64_t ldo = out.stride(2);
       float* L = slice_mut(lse, b, h);
       for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
@@ -202,6 +205,9 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
               "cpu attention backward: unexpected layout of grad_out, out or lse");
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
+  const int64_t group = H / k.size(1);
+  // dK and dV per query head (tasks of one group run on different threads), summed over each group
+  // at the end
   at::Tensor dq = at::empty({B, I, H, D}, q.options()).transpose(1, 2);
   at::Tensor dk = at::zeros({B, J, H, D}, q.options()).transpose(1, 2);
   at::Tensor dv = at::zeros({B, J, H, DV}, q.options()).transpose(1, 2);
@@ -212,7 +218,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
     std::vector<float> p_buf(BLOCK * chunk_max), dp_buf(BLOCK * chunk_max), delta(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
-      const Matrix Q = slice(q, b, h), K = slice(k, b, h), V = slice(v, b, h);
+      const Matrix Q = slice(q, b, h), K = slice(k, b, h / group), V = slice(v, b, h / group);
       const Matrix dO = slice(grad_out, b, h), O = slice(out, b, h);
       const float* L = lse.data_ptr<float>() + (b * H + h) * I;
       float* dQ = slice_mut(dq, b, h);
@@ -262,6 +268,11 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       }
     }
   });
+  if (group > 1) {
+    const int64_t HK = H / group;
+    dk = dk.reshape({B, HK, group, J, D}).sum(2);
+    dv = dv.reshape({B, HK, group, J, DV}).sum(2);
+  }
   return {dq, dk, dv};
 }
 

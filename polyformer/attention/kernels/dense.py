@@ -65,9 +65,8 @@ class DenseKernel(nn.Module):
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
               causal: bool, gqa: bool = False) -> Tensor:
         p = self.dropout.p if self.training else 0.0
-        if cpu.applies(q, k, v, mask, bias, p):         # float32 on the CPU: our own kernel
-            h = q.shape[1]
-            return cpu.attention(q, match_heads(k, h), match_heads(v, h), self.scale, causal)
+        if cpu.applies(q, k, v, mask, bias, p):         # float32 on the CPU: our own kernel (reads
+            return cpu.attention(q, k, v, self.scale, causal)   # grouped kv heads in place)
         if causal and (mask is not None or bias is not None):
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
             mask = keep if mask is None else mask & keep
