@@ -2,7 +2,8 @@
 
 Checks of shapes, dtypes and types run always. Checks that read tensor values (token ids in range,
 finite inputs, prefix lengths) run on eager calls only: under `torch.compile` / `torch.export` a
-Python branch on a tensor's value would break the graph, so `tracing()` skips them there.
+Python branch on a tensor's value would break the graph, and `torch.func.vmap` cannot read one, so
+`tracing()` skips them there.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ if TYPE_CHECKING:
 
 
 def tracing() -> bool:
-    """Whether this call is being traced by torch.compile or torch.export (value checks are skipped)."""
-    return torch.compiler.is_compiling()
+    """Whether this call's tensor values cannot be read: torch.compile or torch.export traces it, or
+    torch.func.vmap batches it (value checks are skipped; the embedding's own index check still runs)."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(level.key() == torch._C._functorch.TransformType.Vmap
+               for level in retrieve_all_functorch_interpreters())
 
 
 def tensor(name: str, x: object) -> Tensor:

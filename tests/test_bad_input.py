@@ -75,6 +75,17 @@ def test_token_id_out_of_range(bad):
         lm()(x)
 
 
+def test_token_id_out_of_range_under_vmap():
+    """vmap cannot read values, so our check steps aside there; the embedding's own index check still
+    refuses the id (per-sample gradients batch over token ids this way)."""
+    x = ids()
+    model = TransformerWrapper(num_tokens=NUM_TOKENS, max_seq_len=16, attn_layers=Decoder(dim=DIM, depth=1, heads=4))
+    torch.func.vmap(lambda t: model(t[None]))(x)
+    x[1, 3] = NUM_TOKENS
+    with pytest.raises(IndexError, match="out of range"):
+        torch.func.vmap(lambda t: model(t[None]))(x)
+
+
 def test_float_token_ids():
     with refused(TypeError, "x", "float"):
         lm()(ids().float())

@@ -32,6 +32,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from .autodiff import transformed
+
 SWITCH = "POLYFORMER_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ISA_FLAGS = {                               # torch's own reading of the CPU: build for what it found
@@ -104,6 +106,8 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
         return False
     if torch.compiler.is_compiling():       # a traced graph takes it once an eager call has built it
         return "module" in _built
+    if transformed(q, k, v):                # the operator has a backward formula only: under torch.func
+        return False                        # or forward-mode AD it would drop a tangent silently
     return extension() is not None
 
 
@@ -114,6 +118,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Te
     The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view. A registered
     operator (`polyformer::attention`), so that `torch.compile` keeps it in its graphs.
     """
+    if not torch.compiler.is_compiling() and transformed(q, k, v):
+        raise RuntimeError("cpu.attention has a backward formula only: it cannot run under torch.func "
+                           "transforms or forward-mode AD (DenseKernel keeps scaled_dot_product_attention "
+                           "or its reference path there)")
     return attention_op(q, k, v, scale, causal)[0]
 
 
@@ -191,9 +199,12 @@ def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: flo
     have gradients in turn."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # each slot differentiated through its own alias: one tensor passed as both q and k gets one
+    # gradient per slot, which autograd then adds, not the sum of both in each
+    slots = [t.view_as(t) if t.requires_grad else t for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    wanted = [t for t in (q, k, v) if t.requires_grad]
+            *slots, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    wanted = [t for t in slots if t.requires_grad]
     found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
-    return tuple(next(found) if t.requires_grad else None for t in (q, k, v))
+    return tuple(next(found) if t.requires_grad else None for t in slots)

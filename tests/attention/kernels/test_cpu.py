@@ -152,6 +152,88 @@ def test_second_derivatives_equal_the_reference():
         assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_one_tensor_in_several_slots_gets_each_slots_gradient_under_create_graph():
+    """x passed as q, k and v: the differentiable backward returns one gradient per slot (autograd adds
+    them), not the sum of all three in each slot."""
+    (x,) = leaves((1, 2, 30, 8))
+    found = []
+    for fn in (lambda t: cpu.attention(t, t, t, 0.35, True), lambda t: reference(t, t, t, 0.35, True)):
+        (g,) = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+        found.append((g, *torch.autograd.grad(g.pow(2).sum(), x)))
+    for a, b in zip(*found):
+        assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# --- forward-mode AD and torch.func -------------------------------------------------------------
+
+def test_a_direct_call_under_a_transform_is_a_clear_error():
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    with pytest.raises(RuntimeError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: cpu.attention(t, k, v, 0.3, True), (q,), (torch.ones_like(q),))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(RuntimeError, match="torch.func"):
+        cpu.attention(torch.autograd.forward_ad.make_dual(q, torch.ones_like(q)), k, v, 0.3, True)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_forward_mode_ad_through_the_dense_kernel_equals_the_reference(calls, kv_heads):
+    """Neither fused kernel has a forward-mode formula (ours would drop the tangent, ATen's CPU flash
+    kernel raises): the dense kernel takes its reference path for torch.func.jvp and forward_ad."""
+    fused, explicit = (DenseKernel(4, 0.3, 0.0, Softmax(), fused=f) for f in (None, False))
+    shapes = (2, 4, 20, 8), (2, kv_heads, 20, 8), (2, kv_heads, 20, 8)
+    primals, tangents = (tuple(t.detach() for t in leaves(*shapes, seed=s)) for s in (1, 2))
+
+    def through(kernel):
+        return lambda q, k, v: kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=True).out
+    out, tangent = torch.func.jvp(through(fused), primals, tangents)
+    ref_out, ref_tangent = torch.func.jvp(through(explicit), primals, tangents)
+    assert_close(out, ref_out)
+    assert_close(tangent, ref_tangent)
+    assert tangent.abs().max() > 0.1
+    fw = torch.autograd.forward_ad
+    with fw.dual_level():
+        dual = fw.unpack_dual(through(fused)(*(fw.make_dual(p, t) for p, t in zip(primals, tangents))))
+    assert_close(dual.tangent, ref_tangent)
+    assert calls == []
+
+
+def test_a_model_under_torch_func_grad_and_vmap_gives_per_sample_gradients(calls):
+    """vmap(grad(loss)) over a model (per-sample gradients) runs on SDPA and matches a loop of
+    ordinary backward passes, which do take the kernel."""
+    model = tiny_lm(seed=0, depth=2, max_seq_len=24).train()
+    x = torch.randint(0, model.num_tokens, (3, 24), generator=torch.Generator().manual_seed(1))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p, tokens):
+        logits = torch.func.functional_call(model, p, (tokens[None],))
+        return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[1:])
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    assert calls == []
+    for n, tokens in enumerate(x):
+        model.zero_grad()
+        logits = model(tokens[None])
+        torch.nn.functional.cross_entropy(logits[0, :-1], tokens[1:]).backward()
+        for name, p in model.named_parameters():
+            assert_close(per_sample[name][n], p.grad, atol=1e-5, rtol=1e-4)
+    assert len(calls) == 2 * len(x)
+
+
+def test_a_models_jacobian_vector_product_agrees_with_its_gradient(calls):
+    """u . (J t) from torch.func.jvp equals (J^T u) . t from an ordinary backward pass (on the kernel):
+    forward mode through a whole model is exact."""
+    model = tiny_lm(seed=0, depth=2, max_seq_len=24, rotary_pos_emb=True)
+    x = torch.randint(0, model.num_tokens, (2, 24), generator=torch.Generator().manual_seed(1))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    tangents = {name: torch.randn(p.shape, generator=g) for name, p in params.items()}
+    _, jt = torch.func.jvp(lambda p: torch.func.functional_call(model, p, (x,)), (params,), (tangents,))
+    assert calls == []
+    u = torch.randn(jt.shape, generator=g)
+    (u * model(x)).sum().backward()
+    assert len(calls) == 2
+    jtu = sum((p.grad * tangents[name]).sum() for name, p in model.named_parameters())
+    assert_close((u * jt).sum(), jtu, atol=1e-3, rtol=1e-4)
+
+
 # --- when the dense kernel takes it -------------------------------------------------------------
 
 @pytest.fixture
