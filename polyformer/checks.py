@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .autodiff import running
+
 if TYPE_CHECKING:
     from .memory.kv_cache import DecodeState
     from .stack import AttentionLayers
@@ -21,14 +23,7 @@ if TYPE_CHECKING:
 def tracing() -> bool:
     """Whether this call's tensor values cannot be read: torch.compile or torch.export traces it, or
     torch.func.vmap batches it (value checks are skipped; the embedding's own index check still runs)."""
-    if torch.compiler.is_compiling():
-        return True
-    if torch._C._functorch.peek_interpreter_stack() is None:
-        return False
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(level.key() == torch._C._functorch.TransformType.Vmap
-               for level in retrieve_all_functorch_interpreters())
+    return torch.compiler.is_compiling() or running("Vmap")
 
 
 def tensor(name: str, x: object) -> Tensor:

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from .autodiff import transformed
+from ...autodiff import transformed
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")

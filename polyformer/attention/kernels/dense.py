@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ...interfaces import KV, AttnOut, KernelCaps
 from . import cpu
-from .autodiff import forward_mode
+from ...autodiff import forward_mode
 
 
 def match_heads(t: Tensor, heads: int) -> Tensor:

@@ -1,11 +1,26 @@
-"""Which kinds of automatic differentiation a call runs under, for kernels whose operators have a
-backward formula only (`cpu.py`'s, and SDPA's CPU flash kernel, which has no forward-mode formula)."""
+"""Which kinds of automatic differentiation or torch.func transform a call runs under.
+
+Our CPU attention operator has a backward formula only, and so does ATen's CPU flash kernel, which
+has no forward-mode formula either: the dense kernel routes around them (`attention/kernels`). The
+input checks cannot read tensor values under vmap (`checks.py`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
+
+
+def running(kind: str) -> bool:
+    """Whether a torch.func transform of this kind ("Vmap", "Grad", "Jvp", ...) is running, at any
+    level of nesting."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    wanted = getattr(torch._C._functorch.TransformType, kind)
+    return any(level.key() == wanted for level in retrieve_all_functorch_interpreters())
 
 
 def has_tangent(tensors: tuple[Tensor, ...]) -> bool:
@@ -15,8 +30,7 @@ def has_tangent(tensors: tuple[Tensor, ...]) -> bool:
 
 
 def transformed(*tensors: Tensor) -> bool:
-    """Whether a torch.func transform (grad, vmap, jvp ...) is running, or forward-mode AD tracks one of
-    `tensors`."""
+    """Whether any torch.func transform is running, or forward-mode AD tracks one of `tensors`."""
     return torch._C._functorch.peek_interpreter_stack() is not None or has_tangent(tensors)
 
 
@@ -26,8 +40,5 @@ def forward_mode(*tensors: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        return any(level.key() == torch._C._functorch.TransformType.Jvp
-                   for level in retrieve_all_functorch_interpreters())
+        return running("Jvp")
     return has_tangent(tensors)
