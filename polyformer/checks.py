@@ -3,7 +3,7 @@
 Checks of shapes, dtypes and types run always. Checks that read tensor values (token ids in range,
 finite inputs, prefix lengths) run on eager calls only: under `torch.compile` / `torch.export` a
 Python branch on a tensor's value would break the graph, and `torch.func.vmap` cannot read one, so
-`tracing()` skips them there.
+`values_hidden()` skips them there.
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .autodiff import running
+from .autodiff import VMAP, levels
 
 if TYPE_CHECKING:
     from .memory.kv_cache import DecodeState
     from .stack import AttentionLayers
 
 
-def tracing() -> bool:
+def values_hidden() -> bool:
     """Whether this call's tensor values cannot be read: torch.compile or torch.export traces it, or
-    torch.func.vmap batches it (value checks are skipped; the embedding's own index check still runs)."""
-    return torch.compiler.is_compiling() or running("Vmap")
+    torch.func.vmap batches it. Value checks are skipped there: token ids still meet the embedding's own
+    index check, but finite inputs and prefix lengths go unchecked."""
+    return torch.compiler.is_compiling() or levels(VMAP) > 0
 
 
 def tensor(name: str, x: object) -> Tensor:
@@ -40,7 +41,7 @@ def token_ids(x: object, num_tokens: int, name: str = "x") -> Tensor:
         raise ValueError(f"{name} must have shape (batch, seq), got {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise ValueError(f"{name} must hold at least one token, got shape {tuple(x.shape)}")
-    if tracing():
+    if values_hidden():
         return x
     lo, hi = int(x.min()), int(x.max())
     if lo < 0 or hi >= num_tokens:
@@ -59,7 +60,7 @@ def floats(name: str, x: object, ndim: int, shape_text: str) -> Tensor:
 
 
 def finite(name: str, x: Tensor) -> None:
-    if not tracing() and not torch.isfinite(x).all():
+    if not values_hidden() and not torch.isfinite(x).all():
         raise ValueError(f"{name} holds NaN or inf values")
 
 
@@ -152,6 +153,6 @@ def prefix_len(value: object, b: int, n: int, causal: bool) -> Tensor:
         t = t.expand(b)
     if tuple(t.shape) != (b,):
         raise ValueError(f"prefix_len must be an int or have shape (batch,) = ({b},), got {tuple(t.shape)}")
-    if not tracing() and (bool((t < 0).any()) or bool((t > n).any())):
+    if not values_hidden() and (bool((t < 0).any()) or bool((t > n).any())):
         raise ValueError(f"prefix_len must be in [0, seq_len={n}], got {t.tolist()}")
     return t.long()

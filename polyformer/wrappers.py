@@ -132,8 +132,8 @@ class SequenceWrapper(nn.Module):
              prefix_len: Tensor | int | None = None) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
         tok_pos = self._positions(n, pos, state, h.device)
-        if self.bounded and checks.tracing():
-            if pos is None and state is None:       # a traced graph knows only the default 0 .. n-1
+        if self.bounded and checks.values_hidden():
+            if pos is None and state is None:       # traced or batched: only the default 0 .. n-1 is known
                 checks.seq_len(n, self.max_seq_len)
         elif self.bounded:
             checks.seq_len(int(tok_pos.max()) + 1, self.max_seq_len)

@@ -71,8 +71,8 @@ class DecodeState:
         end = self.length + n
         self.pos[:, self.length:end] = pos.expand(self.batch, -1)
         self.mask[:, self.length:end] = True if mask is None else mask
-        if mask is not None and (checks.tracing() or not bool(mask.all())):
-            self.padded = True              # traced: assume padding rather than read the mask's values
+        if mask is not None and (checks.values_hidden() or not bool(mask.all())):
+            self.padded = True              # traced or batched: assume padding rather than read the mask
         if prefix:
             if self.length:
                 raise ValueError("memory tokens can only start a decode state")

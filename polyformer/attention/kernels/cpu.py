@@ -8,7 +8,7 @@ running maximum and sum join the chunks), skipping the causal upper triangle, an
 (seq 1024, batch 4) faster than ATen's (`benchmarks/attention.py`).
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout, outside
-export, tracing and autocast: always in training (forward + backward is faster at
+export, tracing, autocast, torch.func transforms and forward-mode AD: always in training (forward + backward is faster at
 every length measured, 1.08x at 8k keys), and without autograd up to LONGEST_INFERENCE keys, past
 which ATen's forward is as fast or faster. Everything else keeps `scaled_dot_product_attention`.
 It is built once per machine on first use with `torch.utils.cpp_extension` (a C++ compiler and
@@ -105,7 +105,7 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
     if _off[0] or os.environ.get(SWITCH, "1") == "0":
         return False
     if torch.compiler.is_compiling():       # a traced graph takes it once an eager call has built it
-        return "module" in _built
+        return "module" in _built           # (dynamo cannot read torch.func's levels: see autodiff)
     if transformed(q, k, v):                # the operator has a backward formula only: under torch.func
         return False                        # or forward-mode AD it would drop a tangent silently
     return extension() is not None

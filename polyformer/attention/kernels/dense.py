@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...autodiff import needs_reference
 from ...interfaces import KV, AttnOut, KernelCaps
 from . import cpu
-from ...autodiff import forward_mode
 
 
 def match_heads(t: Tensor, heads: int) -> Tensor:
@@ -56,8 +56,10 @@ class DenseKernel(nn.Module):
     def forward(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
                 causal: bool, prev_scores: Tensor | None = None, need_weights: bool = False) -> AttnOut:
         h = q.shape[1]
-        # forward-mode AD takes the reference path: neither fused kernel has a forward-mode formula
-        if self.can_fuse and prev_scores is None and not need_weights and not forward_mode(q, kv.k, kv.v):
+        # forward mode and nested torch.func reverse mode take the reference path: no fused kernel has
+        # those derivatives (autodiff.needs_reference)
+        if (self.can_fuse and prev_scores is None and not need_weights
+                and not needs_reference(q, kv.k, kv.v, bias)):
             if kv.k.shape[1] == kv.v.shape[1]:      # grouped heads: SDPA reads each kv head in place
                 return AttnOut(self.fused(q, kv.k, kv.v, mask, bias, causal, gqa=kv.k.shape[1] != h))
             return AttnOut(self.fused(q, match_heads(kv.k, h), match_heads(kv.v, h), mask, bias, causal))

@@ -167,7 +167,7 @@ def test_one_tensor_in_several_slots_gets_each_slots_gradient_under_create_graph
 # --- forward-mode AD and torch.func -------------------------------------------------------------
 
 def test_a_direct_call_under_a_transform_is_a_clear_error():
-    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    q, k, v = leaves((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
     with pytest.raises(RuntimeError, match="forward-mode AD"):
         torch.func.jvp(lambda t: cpu.attention(t, k, v, 0.3, True), (q,), (torch.ones_like(q),))
     with torch.autograd.forward_ad.dual_level(), pytest.raises(RuntimeError, match="torch.func"):
@@ -184,9 +184,8 @@ def test_forward_mode_ad_through_the_dense_kernel_equals_the_reference(calls, kv
 
     def through(kernel):
         return lambda q, k, v: kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=True).out
-    out, tangent = torch.func.jvp(through(fused), primals, tangents)
-    ref_out, ref_tangent = torch.func.jvp(through(explicit), primals, tangents)
-    assert_close(out, ref_out)
+    _, tangent = torch.func.jvp(through(fused), primals, tangents)
+    _, ref_tangent = torch.func.jvp(through(explicit), primals, tangents)
     assert_close(tangent, ref_tangent)
     assert tangent.abs().max() > 0.1
     fw = torch.autograd.forward_ad
@@ -194,6 +193,51 @@ def test_forward_mode_ad_through_the_dense_kernel_equals_the_reference(calls, kv
         dual = fw.unpack_dual(through(fused)(*(fw.make_dual(p, t) for p, t in zip(primals, tangents))))
     assert_close(dual.tangent, ref_tangent)
     assert calls == []
+
+
+def test_a_tangent_on_the_score_bias_alone_reaches_the_output(calls):
+    """forward_ad with a tangent only on an additive bias (a learned T5 / dynamic position bias): the
+    reference path carries it, where SDPA would raise."""
+    fused, explicit = (DenseKernel(4, 0.3, 0.0, Softmax(), fused=f) for f in (None, False))
+    q, k, v, bias, tangent = (t.detach() for t in leaves(*[(2, 4, 12, 8)] * 3, (1, 4, 12, 12), (1, 4, 12, 12)))
+    fw = torch.autograd.forward_ad
+
+    def run(kernel):
+        with fw.dual_level():
+            out = kernel(q, KV(k, v, None, None), mask=None, bias=fw.make_dual(bias, tangent), causal=True).out
+            return fw.unpack_dual(out).tangent
+    assert_close(run(fused), torch.func.jvp(
+        lambda b: explicit(q, KV(k, v, None, None), mask=None, bias=b, causal=True).out, (bias,), (tangent,))[1])
+
+
+def test_grad_of_grad_under_torch_func_equals_the_reference(calls):
+    """grad(grad(f)) (MAML's pattern): SDPA's CPU flash backward has no derivative and our operator
+    steps aside under torch.func, so the dense kernel takes its reference path."""
+    fused, explicit = (DenseKernel(4, 0.3, 0.0, Softmax(), fused=f) for f in (None, False))
+    q, k, v = (t.detach() for t in leaves((2, 4, 20, 8), (2, 2, 20, 8), (2, 2, 20, 8), seed=3))
+
+    def second(kernel):
+        def loss(q):
+            return kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=True).out.square().sum()
+        return torch.func.grad(lambda q: torch.func.grad(loss)(q).square().sum())(q)
+    assert_close(second(fused), second(explicit))
+    assert calls == []
+
+
+def test_torch_func_grad_of_a_model_equals_its_backward(calls):
+    model = tiny_lm(seed=0, depth=2, max_seq_len=24).train()
+    x = torch.randint(0, model.num_tokens, (2, 24), generator=torch.Generator().manual_seed(1))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p):
+        logits = torch.func.functional_call(model, p, (x,))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    grads = torch.func.grad(loss)(params)
+    assert calls == []
+    loss({name: p for name, p in model.named_parameters()}).backward()
+    assert len(calls) == 2
+    for name, p in model.named_parameters():
+        assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_a_model_under_torch_func_grad_and_vmap_gives_per_sample_gradients(calls):
