@@ -13,7 +13,7 @@ every length measured, 1.08x at 8k keys), and without autograd up to LONGEST_INF
 which ATen's forward is as fast or faster. Everything else keeps `scaled_dot_product_attention`.
 It is built once per machine on first use with `torch.utils.cpp_extension` (a C++ compiler and
 ninja; about 30 s) into PyTorch's extension cache. It is a registered operator
-(`polyformer::attention`), so `torch.compile` keeps it in its graphs, once an eager call has built it.
+(`polyformer::attention`), so `torch.compile` keeps it in its graphs; compiling first builds it too.
 Where it cannot be built, one warning says why and `scaled_dot_product_attention` runs instead.
 `POLYFORMER_CPU_ATTENTION=0` in the environment turns it off.
 """
@@ -104,11 +104,22 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
         return False
     if _off[0] or os.environ.get(SWITCH, "1") == "0":
         return False
-    if torch.compiler.is_compiling():       # a traced graph takes it once an eager call has built it
-        return "module" in _built           # (dynamo cannot read torch.func's levels: see autodiff)
+    if torch.compiler.is_compiling():       # dynamo cannot read torch.func's levels (see autodiff)
+        return built_for_graphs()
     if transformed(q, k, v):                # the operator has a backward formula only: under torch.func
         return False                        # or forward-mode AD it would drop a tangent silently
     return extension() is not None
+
+
+def built_for_graphs() -> bool:
+    """`extension() is not None`, run by dynamo outside the graph it traces (its result is a constant
+    there), so that a model compiled before any eager call builds and takes the kernel too."""
+    return extension() is not None
+
+
+# what torch.compiler.assume_constant_result sets, without importing dynamo with polyformer (1.7 s);
+# test_cpu's compile-first test pins it
+built_for_graphs._dynamo_marked_constant = True         # type: ignore[attr-defined]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:

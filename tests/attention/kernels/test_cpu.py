@@ -393,7 +393,7 @@ def test_a_model_trains_to_the_same_gradients_as_through_sdpa(calls, kw):
 
 
 def test_torch_compile_keeps_the_kernel_in_one_graph():
-    """A registered operator: dynamo traces it into the graph (no break) once an eager call built it,
+    """A registered operator: dynamo traces it into the graph (no break),
     and the compiled model trains to the eager model's gradients."""
     assert cpu.extension() is not None
     model = tiny_lm(seed=0, depth=2, max_seq_len=64).train()
@@ -413,6 +413,34 @@ def test_torch_compile_keeps_the_kernel_in_one_graph():
     theirs = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
     for a, b in zip(ours, theirs):
         assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("builds", [True, False], ids=["builds", "cannot-build"])
+def test_a_model_compiled_before_any_eager_call_builds_the_kernel_into_its_graph(monkeypatch, builds):
+    """dynamo asks whether the kernel is built outside the graph it traces, so compiling first builds
+    it; where it cannot be built, the graph keeps SDPA after one warning."""
+    monkeypatch.setattr(cpu, "_built", {})
+    if not builds:
+        def broken():
+            raise OSError("no compiler here")
+        monkeypatch.setattr(cpu, "build", broken)
+    model = tiny_lm(seed=0, depth=2, max_seq_len=32).train()
+    x = torch.randint(0, model.num_tokens, (2, 32), generator=torch.Generator().manual_seed(1))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=capture, fullgraph=True)(x)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert len(graphs) == 1 and targets.count("polyformer.attention.default") == (2 if builds else 0)
+    assert ("module" in cpu._built) == builds
+    assert sum("no compiler here" in str(w.message) for w in caught) == (0 if builds else 1)
+    assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
 
 
 def test_compiled_forward_and_backward_through_aot_autograd_equal_eager():
