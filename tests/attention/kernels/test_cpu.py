@@ -392,22 +392,29 @@ def test_a_model_trains_to_the_same_gradients_as_through_sdpa(calls, kw):
 
 
 
-def test_torch_compile_keeps_the_kernel_in_one_graph():
-    """A registered operator: dynamo traces it into the graph (no break),
-    and the compiled model trains to the eager model's gradients."""
-    assert cpu.extension() is not None
-    model = tiny_lm(seed=0, depth=2, max_seq_len=64).train()
-    x = torch.randint(0, model.num_tokens, (2, 64), generator=torch.Generator().manual_seed(1))
+def compiled_call(model, x):
+    """The compiled model's output on x (fullgraph), how many graphs dynamo made and how many nodes of
+    them are our kernel."""
     graphs = []
 
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=capture, fullgraph=True)
-    out, ref = compiled(x), model(x)
+    out = torch.compile(model, backend=capture, fullgraph=True)(x)
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
-    assert len(graphs) == 1 and targets.count("polyformer.attention.default") == 2
+    return out, len(graphs), targets.count("polyformer.attention.default")
+
+
+def test_torch_compile_keeps_the_kernel_in_one_graph():
+    """A registered operator: dynamo traces it into the graph (no break), and the compiled model
+    trains to the eager model's gradients."""
+    assert cpu.extension() is not None
+    model = tiny_lm(seed=0, depth=2, max_seq_len=64).train()
+    x = torch.randint(0, model.num_tokens, (2, 64), generator=torch.Generator().manual_seed(1))
+    out, graphs, kernels = compiled_call(model, x)
+    ref = model(x)
+    assert graphs == 1 and kernels == 2
     assert_close(out, ref, atol=1e-5, rtol=1e-5)
     ours = torch.autograd.grad(out.square().mean(), list(model.parameters()))
     theirs = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
@@ -426,17 +433,10 @@ def test_a_model_compiled_before_any_eager_call_builds_the_kernel_into_its_graph
         monkeypatch.setattr(cpu, "build", broken)
     model = tiny_lm(seed=0, depth=2, max_seq_len=32).train()
     x = torch.randint(0, model.num_tokens, (2, 32), generator=torch.Generator().manual_seed(1))
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-    torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = torch.compile(model, backend=capture, fullgraph=True)(x)
-    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
-    assert len(graphs) == 1 and targets.count("polyformer.attention.default") == (2 if builds else 0)
+        out, graphs, kernels = compiled_call(model, x)
+    assert graphs == 1 and kernels == (2 if builds else 0)
     assert ("module" in cpu._built) == builds
     assert sum("no compiler here" in str(w.message) for w in caught) == (0 if builds else 1)
     assert_close(out, model(x), atol=1e-5, rtol=1e-5)
