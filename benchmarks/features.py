@@ -86,26 +86,16 @@ def attention_paths(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
     kernels = [m for m in model.modules() if isinstance(m, DenseKernel)]
     sdpa, cpu_attention = F.scaled_dot_product_attention, cpu.attention
 
-    def counted_sdpa(*args: Any, **kwargs: Any) -> Any:
-        counts["sdpa"] += 1
-        return sdpa(*args, **kwargs)
-
-    def counted_cpu_attention(*args: Any, **kwargs: Any) -> Any:
-        counts["cpu_kernel"] += 1
-        return cpu_attention(*args, **kwargs)
-
-    def counted_reference(kernel: DenseKernel) -> Callable[..., Any]:
-        reference = kernel.reference
-
+    def counted(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            counts["reference"] += 1
-            return reference(*args, **kwargs)
+            counts[key] += 1
+            return fn(*args, **kwargs)
         return wrapped
 
-    F.scaled_dot_product_attention = counted_sdpa        # the kernel looks them up at call time
-    cpu.attention = counted_cpu_attention
+    F.scaled_dot_product_attention = counted("sdpa", sdpa)     # the kernel looks them up at call time
+    cpu.attention = counted("cpu_kernel", cpu_attention)
     for k in kernels:
-        k.reference = counted_reference(k)                # instance attribute: the class is untouched
+        k.reference = counted("reference", k.reference)   # instance attribute: the class is untouched
     try:
         run()
     finally:

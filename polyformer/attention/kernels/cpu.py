@@ -1,20 +1,22 @@
 """Exact softmax attention in float32 on the CPU, training and inference, from our own compiled kernel.
 
 ATen's CPU flash kernel, which `scaled_dot_product_attention` runs, reaches a third to a half of the
-machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks of
-64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
-running maximum and sum join the chunks), skipping the causal upper triangle, and recomputes the weights in the backward from the forward's log-sum-exp (FlashAttention, arXiv:
-2205.14135). With 8 heads of 64 it runs a causal forward + backward 1.7x (seq 512, batch 8) and 1.4x
-(seq 1024, batch 4) faster than ATen's (`benchmarks/attention.py`).
+machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks
+of 64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
+running maximum and sum join the chunks), skipping the causal upper triangle, and recomputes the
+weights in the backward from the forward's log-sum-exp (FlashAttention, arXiv:2205.14135). With 8
+heads of 64 it runs a causal forward + backward 1.7x (seq 512, batch 8) and 1.4x (seq 1024, batch 4)
+faster than ATen's (`benchmarks/attention.py`).
 
-The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout, outside
-export, tracing, autocast, torch.func transforms and forward-mode AD: always in training (forward + backward is faster at
-every length measured, 1.08x at 8k keys), and without autograd up to LONGEST_INFERENCE keys, past
-which ATen's forward is as fast or faster. Everything else keeps `scaled_dot_product_attention`.
-It is built once per machine on first use with `torch.utils.cpp_extension` (a C++ compiler and
-ninja; about 30 s) into PyTorch's extension cache. It is a registered operator
-(`polyformer::attention`), so `torch.compile` keeps it in its graphs; compiling first builds it too.
-Where it cannot be built, one warning says why and `scaled_dot_product_attention` runs instead.
+The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
+outside export, tracing, autocast, torch.func transforms and forward-mode AD: always in training
+(forward + backward is faster at every length measured, 1.08x at 8k keys), and without autograd up
+to LONGEST_INFERENCE keys, past which ATen's forward is as fast or faster. Everything else keeps
+`scaled_dot_product_attention`. It is built once per machine on first use with
+`torch.utils.cpp_extension` (a C++ compiler and ninja; about 30 s) into PyTorch's extension cache. It
+is a registered operator (`polyformer::attention`), so `torch.compile` keeps it in its graphs;
+compiling first builds it too. Where it cannot be built, one warning says why and
+`scaled_dot_product_attention` runs instead.
 `POLYFORMER_CPU_ATTENTION=0` in the environment turns it off.
 """
 

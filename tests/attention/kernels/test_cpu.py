@@ -282,11 +282,12 @@ def test_a_models_jacobian_vector_product_agrees_with_its_gradient(calls):
 
 @pytest.fixture
 def calls(monkeypatch):
+    """Every call of our kernel, as (kv heads it was handed, scale, causal)."""
     seen = []
     real = cpu.attention
 
     def counted(*args, **kwargs):
-        seen.append(args[3:])
+        seen.append((args[1].shape[1], *args[3:]))
         return real(*args, **kwargs)
     monkeypatch.setattr(cpu, "attention", counted)
     return seen
@@ -308,7 +309,7 @@ def test_the_dense_kernel_takes_it_for_float32_without_mask_or_bias(calls):
     dense_call(kv_heads=1)
     with torch.no_grad():                                       # inference too
         dense_call(grad=False)
-    assert calls == [(0.25, True)] * 4
+    assert calls == [(4, 0.25, True), (2, 0.25, True), (1, 0.25, True), (4, 0.25, True)]  # kv heads unexpanded
 
 
 @pytest.mark.parametrize("case", [
