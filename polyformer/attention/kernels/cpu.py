@@ -3,10 +3,12 @@
 ATen's CPU flash kernel, which `scaled_dot_product_attention` runs, reaches a third to a half of the
 machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks
 of 64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
-running maximum and sum join the chunks), skipping the causal upper triangle, and recomputes the
-weights in the backward from the forward's log-sum-exp (FlashAttention, arXiv:2205.14135). With 8
-heads of 64 it runs a causal forward + backward 1.7x (seq 512, batch 8) and 1.4x (seq 1024, batch 4)
-faster than ATen's (`benchmarks/attention.py`).
+running maximum and sum join the chunks), skipping the causal upper triangle. In training up to
+KEEP_KEYS keys the forward keeps each block's weights for the backward, in buffers a pool hands out
+again from step to step (`keeps`, `polyformer/buffers.py`); longer or larger calls recompute them in the backward from
+the forward's log-sum-exp (FlashAttention, arXiv:2205.14135). With 8 heads of 64 it runs a causal
+forward + backward 1.7x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's with the
+weights recomputed (`benchmarks/attention.py`), and keeping them saves a further tenth.
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
 outside export, tracing, autocast, torch.func transforms and forward-mode AD: always in training
@@ -44,9 +46,12 @@ ISA_FLAGS = {                               # torch's own reading of the CPU: bu
 }
 
 LONGEST_INFERENCE = 4096   # keys; past it ATen's forward is as fast or faster (16k: 1.8 s against 1.9)
+KEEP_KEYS = 1024           # keys up to which training keeps the weights for the backward (see keeps)
+KEEP_BYTES = 256 * 2**20   # and the most memory one call's kept weights may take
 _lock = threading.Lock()
 _built: dict[str, Any] = {}                 # "module" once built, "error" once failed
 _off = [0]                                  # depth of `switched_off()` blocks
+_recompute = [0]                            # depth of `recomputed_weights()` blocks
 
 
 @contextmanager
@@ -57,6 +62,41 @@ def switched_off() -> Iterator[None]:
         yield
     finally:
         _off[0] -= 1
+
+
+@contextmanager
+def recomputed_weights() -> Iterator[None]:
+    """Within the block no call keeps its weights: the backward recomputes them (tests, benchmarks)."""
+    _recompute[0] += 1
+    try:
+        yield
+    finally:
+        _recompute[0] -= 1
+
+
+def kept_floats(i: int, j: int, causal: bool) -> int:
+    """Floats one (batch, head) keeps: each block of 64 query rows times the keys its last row sees
+    (the kernel's `kept_per_task`), in closed form so that symbolic sizes (torch.compile with dynamic
+    shapes) go through: the full blocks that end within the keys see up to their end, the other full
+    blocks all j keys, the last partial block min(i, j)."""
+    if not causal:
+        return i * j
+    full, rest = i // 64, i % 64
+    within = torch.sym_min(full, j // 64)
+    return 2048 * within * (within + 1) + 64 * j * (full - within) + rest * torch.sym_min(i, j)
+
+
+def keeps(q: Tensor, k: Tensor, causal: bool) -> bool:
+    """Whether a call keeps its softmax weights for the backward instead of recomputing them from the
+    log-sum-exp: when autograd records it, up to KEEP_KEYS keys and KEEP_BYTES of weights. The
+    backward then skips one of its five products and every exp; a training step at seq 1024 saves about
+    10 ms per layer call of 105 (`benchmarks/attention.py`), for memory quadratic in the length, which
+    is why longer sequences recompute."""
+    recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if not recording or _recompute[0] or k.shape[-2] > KEEP_KEYS:
+        return False
+    b, h, i, _ = q.shape
+    return b * h * kept_floats(i, k.shape[-2], causal) * 4 <= KEEP_BYTES
 
 
 def extension() -> Any | None:
@@ -135,7 +175,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Te
         raise RuntimeError("cpu.attention has a backward formula only: it cannot run under torch.func "
                            "transforms or forward-mode AD (DenseKernel keeps scaled_dot_product_attention "
                            "or its reference path there)")
-    return attention_op(q, k, v, scale, causal)[0]
+    return attention_op(q, k, v, scale, causal, keeps(q, k, causal))[0]
 
 
 def unit_stride(t: Tensor) -> Tensor:
@@ -160,28 +200,32 @@ def heads_inner(b: int, n: int, h: int, d: int, like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("polyformer::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    out, lse = module().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal)
-    return out, lse
+def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                 keep: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, log-sum-exp, kept weights or an empty tensor)."""
+    out, lse, weights = module().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal, keep)
+    return out, lse, weights
 
 
 @attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+      keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     b, h, i, _ = q.shape
-    return heads_inner(b, i, h, v.shape[-1], q), q.new_empty(b, h, i)
+    weights = q.new_empty(b, h, kept_floats(i, k.shape[-2], causal)) if keep else q.new_empty(0)
+    return heads_inner(b, i, h, v.shape[-1], q), q.new_empty(b, h, i), weights
 
 
 @torch.library.custom_op("polyformer::attention_backward", mutates_args=())
 def attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          weights: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = module().backward(unit_stride(grad), unit_stride(q), unit_stride(k), unit_stride(v),
-                                      out, lse, scale, causal)
+                                      out, lse, weights, scale, causal)
     return dq, dk, dv
 
 
 @attention_backward_op.register_fake
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-      causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, weights: Tensor,
+      scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     b, h, i, d = q.shape
     hk, j = k.shape[1], k.shape[2]
     if hk == h:
@@ -190,17 +234,17 @@ def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, s
 
 
 def _save(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, scale, causal = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    q, k, v, scale, causal, _keep = inputs
+    ctx.save_for_backward(q, k, v, *output)
     ctx.scale, ctx.causal = scale, causal
 
 
-def _backward(ctx: Any, grad: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
+def _backward(ctx: Any, grad: Tensor, _grad_lse: Tensor | None,
+              _grad_weights: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, weights = ctx.saved_tensors
     if torch.is_grad_enabled():             # create_graph=True: a differentiable backward
-        return (*explicit_gradients(q, k, v, grad, ctx.scale, ctx.causal), None, None)
-    return (*attention_backward_op(grad, q, k, v, out, lse, ctx.scale, ctx.causal), None, None)
+        return (*explicit_gradients(q, k, v, grad, ctx.scale, ctx.causal), None, None, None)
+    return (*attention_backward_op(grad, q, k, v, out, lse, weights, ctx.scale, ctx.causal), None, None, None)
 
 
 attention_op.register_autograd(_backward, setup_context=_save)

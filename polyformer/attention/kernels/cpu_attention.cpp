@@ -9,6 +9,11 @@
 // FlashAttention recipe, arXiv:2205.14135 section 3.1) with five products per block:
 //   S = scale Q K^T, P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
 //   dQ = scale dS K, dK += scale dS^T Q.
+// Asked to keep the weights (`keep`), the forward instead writes each block's normalised weights over
+// all its keys into a buffer it returns, and the backward reads them back: four products and no exp
+// per block, for memory that grows with the square of the length (the caller decides when it pays).
+// The buffers come from a pool that hands a buffer out again once nothing else holds it, so that the
+// steps of a training loop write into memory the process has already touched (polyformer/buffers.py).
 // Parallel over (batch, head); inside a task the blocks run in order, so dK and dV accumulate
 // without races. The products go to the BLAS that PyTorch itself links (sgemm_).
 
@@ -19,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -116,32 +122,110 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK(k.size(2) > 0, "cpu attention needs at least one key");
 }
 
+// Floats of kept weights per (batch, head): each block of rows times the keys its last row sees.
+int64_t kept_per_task(int64_t I, int64_t J, bool causal) {
+  int64_t n = 0;
+  for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
+    const int64_t rows = std::min(BLOCK, I - i0);
+    n += rows * visible(i0 + rows - 1, J, causal);
+  }
+  return n;
+}
+
+// Byte buffers for large training tensors (the kept weights here; polyformer/buffers.py hands them to
+// Python). A buffer is free when the pool holds its storage alone (the tensor handed out, and whatever
+// saved it for the backward, are gone). A request takes a free buffer of at least its size and at most
+// twice it; when none fits, the free buffers are dropped first, so the pool holds at most what one
+// training step keeps alive.
+std::mutex pool_lock;
+std::vector<at::Tensor> pool;
+
+inline bool unheld(const at::Tensor& t) { return t.storage().use_count() == 1; }
+
+at::Tensor pooled_bytes(int64_t n) {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  for (const at::Tensor& t : pool) {
+    if (unheld(t) && t.numel() >= n && t.numel() <= 2 * n) return t.narrow(0, 0, n);
+  }
+  pool.erase(std::remove_if(pool.begin(), pool.end(), unheld), pool.end());
+  pool.push_back(at::empty({n}, at::TensorOptions().dtype(at::kByte)));
+  return pool.back().narrow(0, 0, n);
+}
+
+at::Tensor pooled(int64_t floats) { return pooled_bytes(floats * 4).view(at::kFloat); }
+
+// Row-major P (rows x cols) = softmax(S) in place for a block whose rows start at query i0, each row's
+// log-sum-exp into L. Every row sees key 0, so no row is empty.
+void softmax_rows(float* P, int64_t rows, int64_t cols, int64_t i0, bool causal, float* L) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = P + r * cols;
+    const int64_t n = std::min(visible(i0 + r, cols, causal), cols);
+    const float m = row_max(s, n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < n; ++c) {
+      const float e = exp_nonpositive(s[c] - m);
+      s[c] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) s[c] *= inv;
+    std::fill(s + n, s + cols, 0.f);
+    L[r] = m + std::log(sum);
+  }
+}
+
 }  // namespace
 
-// Returns (out (b, h, i, dv) laid out as (b, i, h, dv), lse (b, h, i)).
+// (buffers, free buffers, bytes held) of the pool; with release, the free ones are dropped first
+std::vector<int64_t> pool_state(bool release) {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  if (release) pool.erase(std::remove_if(pool.begin(), pool.end(), unheld), pool.end());
+  int64_t free = 0, bytes = 0;
+  for (const at::Tensor& t : pool) {
+    free += unheld(t);
+    bytes += t.numel();
+  }
+  return {static_cast<int64_t>(pool.size()), free, bytes};
+}
+
+// Returns (out (b, h, i, dv) laid out as (b, i, h, dv), lse (b, h, i), weights): with keep, weights
+// (b, h, kept_per_task) holds each block's softmax weights row-major (rows x keys its last row sees),
+// block after block; without it, an empty tensor.
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                double scale, bool causal) {
+                                double scale, bool causal, bool keep) {
   check_inputs(q, k, v);
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
   const int64_t group = H / k.size(1);      // query heads per kv head (grouped-query attention)
   at::Tensor out = at::empty({B, I, H, DV}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, I}, q.options());
+  const int64_t per_task = keep ? kept_per_task(I, J, causal) : 0;
+  at::Tensor weights = keep ? pooled(B * H * per_task).view({B, H, per_task}) : at::empty({0}, q.options());
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    const int64_t chunk_max = std::min(CHUNK, J);
+    const int64_t chunk_max = keep ? 0 : std::min(CHUNK, J);
     std::vector<float> scores(BLOCK * chunk_max), row_m(BLOCK), row_l(BLOCK), rescale(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const Matrix Q = slice(q, b, h), K = slice(k, b, h / group), V = slice(v, b, h / group);
       const int64_t ldo = out.stride(2);
       float* L = slice_mut(lse, b, h);
+      float* W = keep ? weights.data_ptr<float>() + task * per_task : nullptr;
       for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
         const int64_t rows = std::min(BLOCK, I - i0);
         const int64_t keys = visible(i0 + rows - 1, J, causal);
         const float* Qb = Q.data + i0 * Q.ld;
         float* Ob = slice_mut(out, b, h) + i0 * ldo;
+        if (keep) {               // all the block's keys at once, its weights kept
+          gemm(false, true, rows, keys, D, alpha, Qb, Q.ld, K.data, K.ld, 0.f, W, keys);
+          softmax_rows(W, rows, keys, i0, causal, L + i0);
+          gemm(false, false, rows, DV, keys, 1.f, W, keys, V.data, V.ld, 0.f, Ob, ldo);
+          W += rows * keys;
+          continue;
+        }
         float* S = scores.data();
         // key chunks with a running maximum and sum per row (online softmax): every row sees key 0,
         // so after the first chunk each row's maximum is finite
@@ -192,19 +276,25 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       }
     }
   });
-  return {out, lse};
+  return {out, lse, weights};
 }
 
-// Returns (dq, dk, dv) for grad_out (b, h, i, dv) given the forward's out and lse.
+// Returns (dq, dk, dv) for grad_out (b, h, i, dv) given the forward's out, lse and weights (kept, or
+// empty: recomputed).
 std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 double scale, bool causal) {
+                                 const at::Tensor& weights, double scale, bool causal) {
   check_inputs(q, k, v);
   TORCH_CHECK(grad_out.stride(3) == 1 && leading(grad_out) >= grad_out.size(3) && out.stride(3) == 1 &&
                   lse.is_contiguous(),
               "cpu attention backward: unexpected layout of grad_out, out or lse");
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
+  const bool kept = weights.numel() > 0;
+  const int64_t per_task = kept_per_task(I, J, causal);
+  TORCH_CHECK(!kept || (weights.is_contiguous() && weights.dim() == 3 && weights.size(0) == B &&
+                        weights.size(1) == H && weights.size(2) == per_task),
+              "cpu attention backward: the kept weights do not match q and k");
   const int64_t group = H / k.size(1);
   // dK and dV per query head (tasks of one group run on different threads), summed over each group
   // at the end
@@ -215,7 +305,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     const int64_t chunk_max = std::min(CHUNK, J);
-    std::vector<float> p_buf(BLOCK * chunk_max), dp_buf(BLOCK * chunk_max), delta(BLOCK);
+    std::vector<float> p_buf(kept ? 0 : BLOCK * chunk_max), dp_buf(BLOCK * (kept ? J : chunk_max)),
+        delta(BLOCK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const Matrix Q = slice(q, b, h), K = slice(k, b, h / group), V = slice(v, b, h / group);
@@ -225,6 +316,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       float* dK = slice_mut(dk, b, h);
       float* dV = slice_mut(dv, b, h);
       const int64_t ldq = dq.stride(2), ldk = dk.stride(2), ldv = dv.stride(2);
+      const float* W = kept ? weights.data_ptr<float>() + task * per_task : nullptr;
       for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
         const int64_t rows = std::min(BLOCK, I - i0);
         const int64_t keys = visible(i0 + rows - 1, J, causal);
@@ -240,6 +332,22 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
         }
         const float* Qb = Q.data + i0 * Q.ld;
         const float* dOb = dO.data + i0 * dO.ld;
+        if (kept) {               // the forward's weights, row-major over all the block's keys
+          const float* Pk = W;
+          W += rows * keys;
+          gemm(true, false, keys, DV, rows, 1.f, Pk, keys, dOb, dO.ld, 1.f, dV, ldv);
+          gemm(false, true, rows, keys, DV, 1.f, dOb, dO.ld, V.data, V.ld, 0.f, dP, keys);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* p = Pk + r * keys;
+            float* ds = dP + r * keys;
+            const float dr = delta[r];
+#pragma omp simd
+            for (int64_t c = 0; c < keys; ++c) ds[c] = p[c] * (ds[c] - dr);
+          }
+          gemm(false, false, rows, D, keys, alpha, dP, keys, K.data, K.ld, 0.f, dQ + i0 * ldq, ldq);
+          gemm(true, false, keys, D, rows, alpha, dP, keys, Qb, Q.ld, 1.f, dK, ldk);
+          continue;
+        }
         // key chunks; transposed blocks (cols x rows): the two products that accumulate into dK and dV
         // then read their left operand in order, which the BLAS runs about a quarter faster
         for (int64_t j0 = 0; j0 < keys; j0 += CHUNK) {
@@ -285,6 +393,10 @@ void set_chunk(int64_t keys) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunk", &set_chunk, "keys per chunk (default 1024)");
+  m.def("kept_per_task", &kept_per_task, "floats of kept weights per (batch, head)");
+  m.def("pool_state", &pool_state, "(buffers, free buffers, bytes) of the buffer pool; release drops the "
+        "free ones first");
+  m.def("pooled_bytes", &pooled_bytes, "a uint8 tensor of n bytes from the buffer pool");
   // the GIL is released: other Python threads run while a kernel does
   m.def("forward", &forward, "exact attention forward (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());

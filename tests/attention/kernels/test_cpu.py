@@ -6,12 +6,15 @@ otherwise; a model trained through it gets the gradients it gets through the fus
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from polyformer import buffers
 from polyformer.attention.kernels import cpu
 from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.attention.normalize import Softmax
@@ -43,11 +46,15 @@ def grads(fn, q, k, v, grad_out):
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype)))
 
 
-@pytest.fixture(params=[1024, 48], ids=["chunk1024", "chunk48"])
-def chunk(request):
-    """Keys per chunk: the default, and one small enough that the shapes below span several chunks."""
-    cpu.extension().set_chunk(request.param)
-    yield request.param
+@pytest.fixture(params=["kept", "recomputed", "recomputed-chunk48"])
+def path(request):
+    """The backward's two ways to the weights: kept by the forward (what training takes up to
+    KEEP_KEYS keys), or recomputed from the log-sum-exp in chunks of the default 1024 keys, or of 48,
+    small enough that the shapes below span several chunks (the forward without autograd too)."""
+    kept = request.param == "kept"
+    cpu.extension().set_chunk(48 if request.param.endswith("48") else 1024)
+    with contextlib.nullcontext() if kept else cpu.recomputed_weights():
+        yield request.param
     cpu.extension().set_chunk(1024)
 
 
@@ -55,7 +62,7 @@ def chunk(request):
 @pytest.mark.parametrize("i, j", [(1, 1), (5, 5), (63, 63), (64, 64), (65, 65), (130, 130), (200, 200),
                                   (70, 150), (150, 70), (1, 40)])
 @pytest.mark.parametrize("d, dv", [(16, 16), (8, 12)])
-def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv, chunk):
+def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv, path):
     q, k, v = leaves((2, 3, i, d), (2, 3, j, d), (2, 3, j, dv))
     grad_out = torch.randn(2, 3, i, dv)
     scale = d ** -0.5
@@ -65,7 +72,7 @@ def test_output_and_gradients_equal_the_reference(causal, i, j, d, dv, chunk):
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
-def test_strided_inputs_and_a_stride_zero_head():
+def test_strided_inputs_and_a_stride_zero_head(path):
     """Heads read in place from a fused (b, n, 3, h, d) projection, and one kv head expanded over all."""
     b, n, h, d = 2, 90, 4, 16
     (qkv,) = leaves((b, n, 3, h, d))
@@ -85,7 +92,7 @@ def test_strided_inputs_and_a_stride_zero_head():
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_grouped_kv_heads_are_read_in_place(kv_heads, chunk):
+def test_grouped_kv_heads_are_read_in_place(kv_heads, path):
     """Six query heads on one or two kv heads: no copy of k and v per query head, and the gradients of
     the shared kv heads sum over their group."""
     q, k, v = leaves((2, 6, 70, 8), (2, kv_heads, 70, 8), (2, kv_heads, 70, 8))
@@ -100,6 +107,7 @@ def test_grouped_kv_heads_are_read_in_place(kv_heads, chunk):
 
 def test_more_keys_than_the_default_chunk():
     q, k, v = leaves((1, 2, 1100, 16), (1, 2, 1100, 16), (1, 2, 1100, 16))
+    assert not cpu.keeps(q, k, True)                            # past KEEP_KEYS: recomputed
     grad_out = torch.randn(1, 2, 1100, 16)
     for causal in (True, False):
         ours = grads(lambda *t: cpu.attention(*t, 0.25, causal), q, k, v, grad_out)
@@ -119,7 +127,7 @@ def test_causal_rows_never_see_later_keys():
     assert not torch.allclose(out[:, :, 100:], again[:, :, 100:])
 
 
-def test_large_scores_stay_finite_and_exact(chunk):
+def test_large_scores_stay_finite_and_exact(path):
     """The softmax subtracts each row's running maximum: scores of several hundred do not overflow,
     also when a later chunk of keys raises the maximum."""
     q, k, v = leaves((1, 1, 80, 8), (1, 1, 80, 8), (1, 1, 80, 8))
@@ -444,29 +452,99 @@ def test_a_model_compiled_before_any_eager_call_builds_the_kernel_into_its_graph
     torch._dynamo.reset()
 
 
-def test_compiled_forward_and_backward_through_aot_autograd_equal_eager():
-    """aot_eager traces the backward too: the backward operator's fake shapes and strides hold."""
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compiled_forward_and_backward_through_aot_autograd_equal_eager(dynamic, path):
+    """aot_eager traces the backward too: the backward operator's fake shapes and strides hold, and
+    the kept weights' size holds for symbolic lengths (two lengths through one dynamic graph)."""
     assert cpu.extension() is not None
-    q, k, v = leaves((2, 3, 70, 16), (2, 3, 70, 16), (2, 3, 70, 16))
-    grad_out = torch.randn(2, 3, 70, 16)
     fn = lambda q, k, v: cpu.attention(q, k, v, 0.25, True)   # noqa: E731
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    for a, b in zip(grads(compiled, q, k, v, grad_out), grads(fn, q, k, v, grad_out)):
-        assert_close(a, b, atol=1e-6, rtol=1e-6)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for n in (70, 135):
+        q, k, v = leaves((2, 3, n, 16), (2, 3, n, 16), (2, 3, n, 16), seed=n)
+        grad_out = torch.randn(2, 3, n, 16)
+        for a, b in zip(grads(compiled, q, k, v, grad_out), grads(fn, q, k, v, grad_out)):
+            assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_the_operators_pass_opcheck():
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_the_operators_pass_opcheck(keep):
     """torch.library's own checks: schema, fake implementation against the real one, autograd."""
     q, k, v = leaves((2, 2, 70, 8), (2, 2, 90, 8), (2, 2, 90, 12))
-    torch.library.opcheck(torch.ops.polyformer.attention.default, (q, k, v, 0.3, False))
-    out, lse = torch.ops.polyformer.attention(q, k, v, 0.3, True)
+    torch.library.opcheck(torch.ops.polyformer.attention.default, (q, k, v, 0.3, False, keep))
+    out, lse, weights = torch.ops.polyformer.attention(q, k, v, 0.3, True, keep)
     grad = torch.randn_like(out)
     # the backward operator is never differentiated (a second derivative takes plain operations), so
     # its checks leave out those that differentiate it
     torch.library.opcheck(torch.ops.polyformer.attention_backward.default,
-                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.3, True),
+                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse, weights, 0.3, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# --- kept weights -------------------------------------------------------------------------------
+
+def test_training_keeps_the_weights_within_its_limits(monkeypatch):
+    """Kept only where autograd records the call, up to KEEP_KEYS keys and KEEP_BYTES of weights."""
+    q, k = (torch.randn(2, 4, cpu.KEEP_KEYS, 8, requires_grad=True) for _ in range(2))
+    assert cpu.keeps(q, k, True) and cpu.keeps(q, k, False)
+    with torch.no_grad():
+        assert not cpu.keeps(q, k, True)
+    assert not cpu.keeps(q.detach(), k.detach(), True)
+    assert not cpu.keeps(q, torch.randn(2, 4, cpu.KEEP_KEYS + 1, 8), False)
+    with cpu.recomputed_weights():
+        assert not cpu.keeps(q, k, True)
+    needed = 4 * 2 * 4 * cpu.kept_floats(cpu.KEEP_KEYS, cpu.KEEP_KEYS, True)
+    monkeypatch.setattr(cpu, "KEEP_BYTES", needed)
+    assert cpu.keeps(q, k, True)
+    monkeypatch.setattr(cpu, "KEEP_BYTES", needed - 1)
+    assert not cpu.keeps(q, k, True)
+
+
+@pytest.mark.parametrize("i, j, causal", [(130, 130, True), (70, 150, True), (150, 70, True), (70, 90, False)])
+def test_the_kept_weights_are_the_softmax_block_by_block(i, j, causal):
+    """Each block of 64 rows keeps its rows' weights over the keys its last row sees, row-major: the
+    explicit softmax, zero where causality hides a key."""
+    q, k, v = (torch.randn(2, 3, n, 8) for n in (i, j, j))
+    _, lse, kept = torch.ops.polyformer.attention(q, k, v, 0.4, causal, True)
+    scores = q @ k.transpose(-1, -2) * 0.4
+    if causal:
+        scores = scores.masked_fill(~torch.ones(i, j, dtype=torch.bool).tril(), float("-inf"))
+    weights = scores.softmax(-1)
+    assert kept.shape == (2, 3, cpu.kept_floats(i, j, causal))
+    at = 0
+    for i0 in range(0, i, 64):
+        rows = min(64, i - i0)
+        keys = min(i0 + rows, j) if causal else j
+        block = kept[:, :, at:at + rows * keys].reshape(2, 3, rows, keys)
+        assert_close(block, weights[:, :, i0:i0 + rows, :keys], atol=1e-6, rtol=1e-5)
+        assert (weights[:, :, i0:i0 + rows, keys:] == 0).all()
+        at += rows * keys
+    assert at == kept.shape[-1]
+    assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+def emptied_pool():
+    """Free buffers dropped (after collecting unreachable graphs); how many buffers remain, held."""
+    gc.collect()
+    buffers.release()
+    state = buffers.state()
+    assert state["free"] == 0
+    return state["buffers"]
+
+
+def test_a_pooled_buffer_still_held_is_not_handed_out():
+    """A kept-weights tensor held by the caller (here: outliving its graph) keeps its buffer; the next
+    call gets another one and the held weights do not change."""
+    others = emptied_pool()
+    q, k, v = (torch.randn(1, 2, 100, 8) for _ in range(3))
+    held = torch.ops.polyformer.attention(q, k, v, 0.3, True, True)[2]
+    before = held.clone()
+    again = torch.ops.polyformer.attention(q * 2, k, v, 0.3, True, True)[2]
+    assert again.data_ptr() != held.data_ptr()
+    assert torch.equal(held, before)
+    assert buffers.state()["buffers"] == others + 2
+    del held, again
+    assert emptied_pool() == others
 
 
 @pytest.mark.parametrize("d", [3, 65])
