@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -31,3 +32,15 @@ def tiny_encoder(**keywords: Any) -> TransformerWrapper:
 
 def ids(batch: int = 2, n: int = 12, num_tokens: int = 64, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, num_tokens, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def emptied_pool() -> int:
+    """The buffer pool's free buffers dropped (after collecting unreachable graphs); how many buffers
+    remain, held by tensors still alive."""
+    from polyformer import buffers
+
+    gc.collect()
+    buffers.release()
+    state = buffers.state()
+    assert state["free"] == 0
+    return state["buffers"]

@@ -5,8 +5,6 @@ allocate no new buffer, and buffers still held are never handed out again."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch import nn
@@ -15,7 +13,7 @@ from torch.testing import assert_close
 from polyformer import buffers, feedforward
 from polyformer.config import FeedForwardConfig
 from polyformer.feedforward import FeedForward, PooledFeedForward
-from tests.helpers import tiny_lm
+from tests.helpers import emptied_pool, tiny_lm
 
 
 def test_the_pool_is_available_on_this_machine():
@@ -151,15 +149,6 @@ def test_without_the_pool_it_keeps_autograds_path(taken, monkeypatch):
 
 
 # --- the pool -----------------------------------------------------------------------------------
-
-def emptied_pool() -> int:
-    """Free buffers dropped (after collecting unreachable graphs); how many buffers remain, held."""
-    gc.collect()
-    buffers.release()
-    state = buffers.state()
-    assert state["free"] == 0
-    return state["buffers"]
-
 
 def test_pooled_tensors_have_the_asked_shape_and_dtype_and_never_share_while_held():
     held = emptied_pool()

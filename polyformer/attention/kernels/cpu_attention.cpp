@@ -74,6 +74,18 @@ inline float row_max(const float* s, int64_t n) {
   return m;
 }
 
+// s[c] = exp(s[c] - m) for c < n, m at least each of them; returns their sum
+inline float exp_shifted(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < n; ++c) {
+    const float e = exp_nonpositive(s[c] - m);
+    s[c] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // Row-major C (m x n) = alpha op(A) op(B) + beta C, through the column-major BLAS: C^T = op(B)^T op(A)^T.
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -161,13 +173,7 @@ void softmax_rows(float* P, int64_t rows, int64_t cols, int64_t i0, bool causal,
     float* s = P + r * cols;
     const int64_t n = std::min(visible(i0 + r, cols, causal), cols);
     const float m = row_max(s, n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = 0; c < n; ++c) {
-      const float e = exp_nonpositive(s[c] - m);
-      s[c] = e;
-      sum += e;
-    }
+    const float sum = exp_shifted(s, n, m);
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t c = 0; c < n; ++c) s[c] *= inv;
@@ -241,13 +247,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
               continue;
             }
             const float m = j0 == 0 ? row_max(s, n) : std::max(row_m[r], row_max(s, n));
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < n; ++c) {
-              const float e = exp_nonpositive(s[c] - m);
-              s[c] = e;
-              sum += e;
-            }
+            const float sum = exp_shifted(s, n, m);
             for (int64_t c = n; c < cols; ++c) s[c] = 0.f;
             rescale[r] = j0 == 0 ? 1.f : std::exp(row_m[r] - m);
             row_l[r] = j0 == 0 ? sum : row_l[r] * rescale[r] + sum;

@@ -7,7 +7,6 @@ otherwise; a model trained through it gets the gradients it gets through the fus
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 
 import pytest
@@ -19,7 +18,7 @@ from polyformer.attention.kernels import cpu
 from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.attention.normalize import Softmax
 from polyformer.interfaces import KV
-from tests.helpers import tiny_lm
+from tests.helpers import emptied_pool, tiny_lm
 
 
 def test_the_kernel_builds_on_this_machine():
@@ -521,15 +520,6 @@ def test_the_kept_weights_are_the_softmax_block_by_block(i, j, causal):
         at += rows * keys
     assert at == kept.shape[-1]
     assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
-
-
-def emptied_pool():
-    """Free buffers dropped (after collecting unreachable graphs); how many buffers remain, held."""
-    gc.collect()
-    buffers.release()
-    state = buffers.state()
-    assert state["free"] == 0
-    return state["buffers"]
 
 
 def test_a_pooled_buffer_still_held_is_not_handed_out():
