@@ -11,7 +11,8 @@ the median is compared with the plain model's.
 Memory: the peak of tensor bytes allocated during one step over those live when it starts
 (activations, gradients, temporaries; weights and AdamW state already exist), from the allocator's
 running total that `torch.profiler` records with `profile_memory=True`. Unlike RSS it does not depend
-on what the C allocator keeps cached from earlier variants.
+on what the C allocator keeps cached from earlier variants; polyformer's own buffer pool
+(`polyformer/buffers.py`) is emptied before the measured step, so its buffers count too.
 
 Fused path: during one training-mode forward, calls to `torch.nn.functional.scaled_dot_product_attention`
 and to `DenseKernel.reference` are counted (the function and each kernel instance are wrapped for
@@ -20,6 +21,7 @@ that forward only); "yes" means every attention call went to SDPA.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -117,9 +119,15 @@ def fused_verdict(c: dict[str, int]) -> str:
 
 
 def peak_step_bytes(step: Callable[[], Any]) -> int:
-    """Peak bytes allocated during one call over those live when it starts (profiler's running total)."""
+    """Peak bytes allocated during one call over those live when it starts (profiler's running total).
+    polyformer's buffer pool is emptied first, so that the buffers a step takes from it are allocated,
+    and counted, within the call rather than reused unseen from an earlier one."""
     from torch.profiler import ProfilerActivity, profile
 
+    from polyformer import buffers
+
+    gc.collect()
+    buffers.release()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     fd, path = tempfile.mkstemp(suffix=".json")

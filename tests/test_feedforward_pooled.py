@@ -169,6 +169,22 @@ def test_pooled_tensors_have_the_asked_shape_and_dtype_and_never_share_while_hel
     assert emptied_pool() == held
 
 
+def test_a_request_takes_the_smallest_free_buffer_that_fits():
+    """Best fit: a 40-float request takes a free 40-float buffer over an earlier free 60-float one
+    (which also fits), so that requests of two sizes in one step keep their own buffers."""
+    held = emptied_pool()
+    larger, smaller = buffers.empty((60,), torch.float32), buffers.empty((40,), torch.float32)
+    pointers = larger.data_ptr(), smaller.data_ptr()
+    del larger, smaller
+    first = buffers.empty((40,), torch.float32)
+    second = buffers.empty((40,), torch.float32)
+    assert (first.data_ptr(), second.data_ptr()) == (pointers[1], pointers[0])
+    too_small = buffers.empty((20,), torch.float32)               # 60 and 40 held: a new buffer
+    assert buffers.state()["buffers"] == held + 3
+    del first, second, too_small
+    assert emptied_pool() == held
+
+
 def test_a_training_loop_allocates_no_new_buffer_after_its_first_step(taken):
     """Every step after the first writes its feedforward hiddens and kept attention weights into the
     buffers the first step left free; the model's gradients equal autograd's path throughout."""

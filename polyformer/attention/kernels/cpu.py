@@ -4,11 +4,12 @@ ATen's CPU flash kernel, which `scaled_dot_product_attention` runs, reaches a th
 machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks
 of 64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
 running maximum and sum join the chunks), skipping the causal upper triangle. In training up to
-KEEP_KEYS keys the forward keeps each block's weights for the backward, in buffers a pool hands out
-again from step to step (`keeps`, `polyformer/buffers.py`); longer or larger calls recompute them in the backward from
-the forward's log-sum-exp (FlashAttention, arXiv:2205.14135). With 8 heads of 64 it runs a causal
-forward + backward 1.7x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's with the
-weights recomputed (`benchmarks/attention.py`), and keeping them saves a further tenth.
+KEEP_KEYS keys the forward keeps each block's weights for the backward (`keeps`); longer or larger
+calls recompute them in the backward from the forward's log-sum-exp (FlashAttention,
+arXiv:2205.14135). Its large outputs, gradients and kept weights come from a pool that hands the same
+memory out again every step (`polyformer/buffers.py`). With 8 heads of 64 it runs a causal forward +
+backward 1.5x (seq 512, batch 8) and 1.2x (seq 1024, batch 4) faster than ATen's
+(`benchmarks/attention.py`).
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
 outside export, tracing, autocast, torch.func transforms and forward-mode AD: always in training
@@ -46,7 +47,7 @@ ISA_FLAGS = {                               # torch's own reading of the CPU: bu
 }
 
 LONGEST_INFERENCE = 4096   # keys; past it ATen's forward is as fast or faster (16k: 1.8 s against 1.9)
-KEEP_KEYS = 1024           # keys up to which training keeps the weights for the backward (see keeps)
+KEEP_KEYS = 512            # keys up to which training keeps the weights for the backward (see keeps)
 KEEP_BYTES = 256 * 2**20   # and the most memory one call's kept weights may take
 _lock = threading.Lock()
 _built: dict[str, Any] = {}                 # "module" once built, "error" once failed
@@ -89,9 +90,11 @@ def kept_floats(i: int, j: int, causal: bool) -> int:
 def keeps(q: Tensor, k: Tensor, causal: bool) -> bool:
     """Whether a call keeps its softmax weights for the backward instead of recomputing them from the
     log-sum-exp: when autograd records it, up to KEEP_KEYS keys and KEEP_BYTES of weights. The
-    backward then skips one of its five products and every exp; a training step at seq 1024 saves about
-    10 ms per layer call of 105 (`benchmarks/attention.py`), for memory quadratic in the length, which
-    is why longer sequences recompute."""
+    backward then skips one of its five products and every exp. Measured in whole training steps
+    (paired rounds, dim 512, 8 heads): 0.06 s a step faster at seq 512 batch 8, but not faster at seq
+    1024 batch 4, where 71 MB of weights per layer cost more in memory traffic and page faults
+    elsewhere in the step than the product saves; hence 512. Memory is quadratic in the length.
+    """
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not recording or _recompute[0] or k.shape[-2] > KEEP_KEYS:
         return False

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -144,27 +145,72 @@ int64_t kept_per_task(int64_t I, int64_t J, bool causal) {
   return n;
 }
 
-// Byte buffers for large training tensors (the kept weights here; polyformer/buffers.py hands them to
-// Python). A buffer is free when the pool holds its storage alone (the tensor handed out, and whatever
-// saved it for the backward, are gone). A request takes a free buffer of at least its size and at most
-// twice it; when none fits, the free buffers are dropped first, so the pool holds at most what one
-// training step keeps alive.
+// Byte buffers for large training tensors (the kept weights and the large outputs and gradients here;
+// polyformer/buffers.py hands them to Python). A buffer is free when the pool holds its storage alone
+// (the tensor handed out, and whatever saved it for the backward, are gone). A request takes the
+// smallest free buffer of at least its size and at most twice it, or a new one. Free buffers are
+// dropped, least recently used first, only while they add up to more than the most the pool has had
+// handed out at once: a training loop's steps keep every buffer they use (the sizes of one step
+// differ, and dropping one kind to make room for another would fault fresh pages in every step),
+// while requests of ever new sizes cannot make it grow past twice what a step holds.
+struct Buffer {
+  at::Tensor bytes;
+  int64_t last_use;
+};
 std::mutex pool_lock;
-std::vector<at::Tensor> pool;
+std::vector<Buffer> pool;
+int64_t pool_clock = 0, held_peak = 0;
 
-inline bool unheld(const at::Tensor& t) { return t.storage().use_count() == 1; }
+inline bool unheld(const Buffer& b) { return b.bytes.storage().use_count() == 1; }
+
+// (held, free) bytes of the pool (pool_lock held)
+std::pair<int64_t, int64_t> pool_bytes() {
+  int64_t held = 0, free = 0;
+  for (const Buffer& b : pool) (unheld(b) ? free : held) += b.bytes.numel();
+  return {held, free};
+}
+
+// drop least recently used free buffers while the free bytes exceed `limit` (pool_lock held)
+void evict(int64_t limit) {
+  int64_t free = pool_bytes().second;
+  while (free > limit) {
+    auto oldest = pool.end();
+    for (auto it = pool.begin(); it != pool.end(); ++it) {
+      if (unheld(*it) && (oldest == pool.end() || it->last_use < oldest->last_use)) oldest = it;
+    }
+    free -= oldest->bytes.numel();
+    pool.erase(oldest);
+  }
+}
 
 at::Tensor pooled_bytes(int64_t n) {
   std::lock_guard<std::mutex> guard(pool_lock);
-  for (const at::Tensor& t : pool) {
-    if (unheld(t) && t.numel() >= n && t.numel() <= 2 * n) return t.narrow(0, 0, n);
+  Buffer* best = nullptr;
+  for (Buffer& b : pool) {
+    const int64_t size = b.bytes.numel();
+    if (unheld(b) && size >= n && size <= 2 * n && (!best || size < best->bytes.numel())) best = &b;
   }
-  pool.erase(std::remove_if(pool.begin(), pool.end(), unheld), pool.end());
-  pool.push_back(at::empty({n}, at::TensorOptions().dtype(at::kByte)));
-  return pool.back().narrow(0, 0, n);
+  if (!best) {
+    pool.push_back({at::empty({n}, at::TensorOptions().dtype(at::kByte)), 0});
+    best = &pool.back();
+  }
+  best->last_use = ++pool_clock;
+  at::Tensor handed = best->bytes.narrow(0, 0, n);
+  held_peak = std::max(held_peak, pool_bytes().first);
+  evict(held_peak);
+  return handed;
 }
 
 at::Tensor pooled(int64_t floats) { return pooled_bytes(floats * 4).view(at::kFloat); }
+
+// A float32 tensor of these sizes, contiguous: from the pool from 1 MiB up (outputs and gradients of a
+// training step, which would otherwise fault in fresh pages every step), else a plain allocation.
+at::Tensor empty_floats(at::IntArrayRef sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  if (n * 4 < (int64_t{1} << 20)) return at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  return pooled(n).view(sizes);
+}
 
 // Row-major P (rows x cols) = softmax(S) in place for a block whose rows start at query i0, each row's
 // log-sum-exp into L. Every row sees key 0, so no row is empty.
@@ -184,16 +230,18 @@ void softmax_rows(float* P, int64_t rows, int64_t cols, int64_t i0, bool causal,
 
 }  // namespace
 
-// (buffers, free buffers, bytes held) of the pool; with release, the free ones are dropped first
+// (buffers, free buffers, bytes held) of the pool; with release, the free ones are dropped first (and
+// the most handed out at once starts again from what is held now)
 std::vector<int64_t> pool_state(bool release) {
   std::lock_guard<std::mutex> guard(pool_lock);
-  if (release) pool.erase(std::remove_if(pool.begin(), pool.end(), unheld), pool.end());
-  int64_t free = 0, bytes = 0;
-  for (const at::Tensor& t : pool) {
-    free += unheld(t);
-    bytes += t.numel();
+  if (release) {
+    evict(0);
+    held_peak = pool_bytes().first;
   }
-  return {static_cast<int64_t>(pool.size()), free, bytes};
+  int64_t free = 0;
+  for (const Buffer& b : pool) free += unheld(b);
+  const auto [held, free_bytes] = pool_bytes();
+  return {static_cast<int64_t>(pool.size()), free, held + free_bytes};
 }
 
 // Returns (out (b, h, i, dv) laid out as (b, i, h, dv), lse (b, h, i), weights): with keep, weights
@@ -205,7 +253,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
                 DV = v.size(3);
   const int64_t group = H / k.size(1);      // query heads per kv head (grouped-query attention)
-  at::Tensor out = at::empty({B, I, H, DV}, q.options()).transpose(1, 2);
+  at::Tensor out = empty_floats({B, I, H, DV}).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, I}, q.options());
   const int64_t per_task = keep ? kept_per_task(I, J, causal) : 0;
   at::Tensor weights = keep ? pooled(B * H * per_task).view({B, H, per_task}) : at::empty({0}, q.options());
@@ -298,9 +346,9 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
   const int64_t group = H / k.size(1);
   // dK and dV per query head (tasks of one group run on different threads), summed over each group
   // at the end
-  at::Tensor dq = at::empty({B, I, H, D}, q.options()).transpose(1, 2);
-  at::Tensor dk = at::zeros({B, J, H, D}, q.options()).transpose(1, 2);
-  at::Tensor dv = at::zeros({B, J, H, DV}, q.options()).transpose(1, 2);
+  at::Tensor dq = empty_floats({B, I, H, D}).transpose(1, 2);
+  at::Tensor dk = empty_floats({B, J, H, D}).zero_().transpose(1, 2);
+  at::Tensor dv = empty_floats({B, J, H, DV}).zero_().transpose(1, 2);
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {

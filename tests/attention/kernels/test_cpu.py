@@ -582,3 +582,26 @@ def test_shapes_sdpa_broadcasts_keep_sdpa(calls):
     assert cpu.applies(q, k, v, None, None, 0.0) is False
     kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=True)
     assert calls == []
+
+
+def test_large_outputs_and_gradients_from_reused_buffers_stay_exact():
+    """From 1 MiB up the kernel's output and gradients come from the buffer pool: the second call
+    writes into the buffers the first one left (dK and dV must be zeroed again, not accumulated onto
+    the last call's values), and two outputs alive at once never share one."""
+    held = emptied_pool()
+    q, k, v = leaves((1, 4, 520, 128), (1, 4, 520, 128), (1, 4, 520, 128))
+    assert q.numel() * 4 >= 2 ** 20
+    grad_out = torch.randn(1, 4, 520, 128)
+    ref = grads(lambda *t: reference(*t, 0.1, True), q, k, v, grad_out)
+    for _ in range(2):
+        ours = grads(lambda *t: cpu.attention(*t, 0.1, True), q, k, v, grad_out)
+        for a, r in zip(ours, ref):
+            assert_close(a, r, atol=2e-5, rtol=1e-4)
+        del ours, a
+    assert buffers.state()["buffers"] > held
+    with torch.no_grad():
+        first, second = cpu.attention(q, k, v, 0.1, True), cpu.attention(q * 2, k, v, 0.1, True)
+    assert first.data_ptr() != second.data_ptr()
+    assert_close(first, ref[0], atol=2e-5, rtol=1e-4)
+    del first, second
+    assert emptied_pool() == held
