@@ -13,8 +13,9 @@ outputs and gradients of the three are compared before timing (the run exits 1 i
 
 GFLOP/s count the products a causal kernel that recomputes its weights needs: forward 2 (QK^T, PV),
 backward 5 (QK^T again, dV, dP, dQ, dK), each 2 * batch * heads * seq^2 / 2 * 64 FLOPs; the same
-nominal count for every kernel, so the rates compare times. (Training keeps the weights at these
-lengths and its backward runs four of the five; "weights recomputed" is the FlashAttention recipe.)
+nominal count for every kernel, so the rates compare times. (Training keeps the weights up to 512
+keys, `cpu.KEEP_KEYS`, and its backward then runs four of the five; "weights recomputed" is the
+FlashAttention recipe, what polyformer runs at 1024.)
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def markdown(record: dict[str, Any], footer: bool = True) -> str:
         f"Causal self-attention, float32, {HEADS} heads of {DIM_HEAD}, {env['torch_threads']} threads, median of "
         f"{record['repeats']} undisturbed alternating rounds; autograd records in both parts, as in training. "
         "GFLOP/s count the causal half of each product (forward 2 products, backward 5, for every kernel; "
-        "polyformer keeps the weights in training and its backward runs 4). ATen fused is what "
+        "polyformer keeps the weights in training up to 512 keys and its backward then runs 4). ATen fused is what "
         "`scaled_dot_product_attention` runs for x-transformers' `attn_flash=True` and Hugging Face's sdpa; "
         "explicit is x-transformers' default attention.", "",
         markdown_table(["seq x batch", "part", "kernel", "ms", "GFLOP/s", "polyformer speedup"], rows), "",

@@ -14,6 +14,8 @@ says "no transform" there: a torch.func transform traced by torch.compile is not
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 from torch import Tensor
 from torch._C._functorch import TransformType
@@ -63,3 +65,17 @@ def needs_reference(*tensors: Tensor | None) -> bool:
     reverse mode nested twice under torch.func (`grad(grad(f))`, `jacrev(jacrev(f))`: SDPA's CPU flash
     backward has no derivative, and our operator steps aside under every transform)."""
     return forward_mode(*tensors) or levels(GRAD) >= 2
+
+
+def graph_gradients(fn: Callable[..., Tensor], inputs: Sequence[Tensor | None], grad: Tensor,
+                    wanted: Sequence[bool] | None = None) -> tuple[Tensor | None, ...]:
+    """The gradients of fn(*inputs) against each input that requires grad (and is wanted), with a graph
+    (create_graph=True): what a fused operator's backward returns under a second derivative, through
+    plain differentiable operations. Each input is differentiated through its own alias, so that one
+    tensor passed in two slots gets each slot's gradient (autograd adds them), not their sum in each."""
+    slots = [t.view_as(t) if t is not None and t.requires_grad else t for t in inputs]
+    taken = [t is not None and t.requires_grad and (wanted is None or wanted[n]) for n, t in enumerate(slots)]
+    out = fn(*slots)
+    found = iter(torch.autograd.grad(out, [t for t, take in zip(slots, taken) if take], grad,
+                                     create_graph=True, allow_unused=True))
+    return tuple(next(found) if take else None for take in taken)

@@ -10,13 +10,16 @@ pool lives in the compiled CPU kernel (`attention/kernels/cpu_attention.cpp`), w
 attention weights it keeps for the backward from it; without that kernel (or with
 `POLYFORMER_CPU_ATTENTION=0`) `empty` is `torch.empty`.
 
-The pool holds at most what one step keeps alive at once: a request that no free buffer fits drops the
-free ones first. Between steps that memory stays mapped (as a GPU caching allocator's does); `release`
-gives the free buffers back.
+A request takes the smallest free buffer of at least its size and at most twice it, or a new one.
+Free buffers are dropped, least recently used first, only while they add up to more than the most
+the pool has had handed out at once, so a training loop keeps every buffer its steps use and the pool
+stays under twice a step's own peak. Between steps that memory stays mapped (as a GPU caching
+allocator's does); `release` gives the free buffers back.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
@@ -42,11 +45,8 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     module = _module()
     if module is None:
         return torch.empty(shape, dtype=dtype)
-    numel = 1
-    for n in shape:
-        numel *= n
-    item = torch.empty((), dtype=dtype).element_size()
-    return module.pooled_bytes(max(numel, 1) * item).view(dtype)[:numel].view(shape)
+    numel = math.prod(shape)
+    return module.pooled_bytes(max(numel, 1) * dtype.itemsize).view(dtype)[:numel].view(shape)
 
 
 def state() -> dict[str, int]:

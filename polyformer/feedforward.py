@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import buffers
-from .autodiff import transformed
+from .autodiff import graph_gradients, transformed
 from .config import FeedForwardConfig
 
 
@@ -68,26 +68,25 @@ class FeedForward(nn.Module):
 
 # --- the pooled training path -----------------------------------------------------------------
 
-def _gelu(approximate: str) -> tuple[Callable, Callable]:
-    def forward(h: Tensor, out: Tensor) -> Tensor:
-        return torch.ops.aten.gelu.out(h, approximate=approximate, out=out)
-
-    def backward_(grad: Tensor, h: Tensor) -> Tensor:
-        return torch.ops.aten.gelu_backward.grad_input(grad, h, approximate=approximate, grad_input=grad)
-    return forward, backward_
+POOLED_ACTIVATIONS = (nn.GELU, GeluTanh, nn.ReLU, nn.SiLU)    # ATen has an out= form and an in-place derivative
 
 
-def _activation(act: nn.Module) -> tuple[Callable, Callable] | None:
-    """(act(h, out=), grad *= act'(h) in place) for the activations ATen has both for."""
-    if type(act) in (nn.GELU, GeluTanh):
-        return _gelu(act.approximate)
-    if type(act) is nn.ReLU:
-        return (lambda h, out: torch.clamp_min(h, 0, out=out),
-                lambda grad, h: torch.ops.aten.threshold_backward.grad_input(grad, h, 0, grad_input=grad))
-    if type(act) is nn.SiLU:
-        return (lambda h, out: torch.ops.aten.silu.out(h, out=out),
-                lambda grad, h: torch.ops.aten.silu_backward.grad_input(grad, h, grad_input=grad))
-    return None
+def activate_into(act: nn.Module, h: Tensor, out: Tensor) -> Tensor:
+    """act(h) written into out."""
+    if isinstance(act, nn.GELU):
+        return torch.ops.aten.gelu.out(h, approximate=act.approximate, out=out)
+    if isinstance(act, nn.ReLU):
+        return torch.clamp_min(h, 0, out=out)
+    return torch.ops.aten.silu.out(h, out=out)
+
+
+def activation_grad_(act: nn.Module, grad: Tensor, h: Tensor) -> Tensor:
+    """grad *= act'(h), in place."""
+    if isinstance(act, nn.GELU):
+        return torch.ops.aten.gelu_backward.grad_input(grad, h, approximate=act.approximate, grad_input=grad)
+    if isinstance(act, nn.ReLU):
+        return torch.ops.aten.threshold_backward.grad_input(grad, h, 0, grad_input=grad)
+    return torch.ops.aten.silu_backward.grad_input(grad, h, grad_input=grad)
 
 
 def pooled_applies(ff: FeedForward, x: Tensor) -> bool:
@@ -96,7 +95,7 @@ def pooled_applies(ff: FeedForward, x: Tensor) -> bool:
     transforms it (torch.compile, export, torch.func, forward-mode AD, autocast keep autograd's own)."""
     if not torch.is_grad_enabled() or ff.glu or (ff.dropout.p > 0 and ff.training):
         return False
-    if type(ff.proj_in) is not nn.Linear or type(ff.proj_out) is not nn.Linear or _activation(ff.act) is None:
+    if type(ff.proj_in) is not nn.Linear or type(ff.proj_out) is not nn.Linear or type(ff.act) not in POOLED_ACTIVATIONS:
         return False
     params = (ff.proj_in.weight, ff.proj_out.weight)
     if not (x.requires_grad or any(p.requires_grad for p in params)):
@@ -118,7 +117,6 @@ class PooledFeedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w_in: Tensor, b_in: Tensor | None, w_out: Tensor, b_out: Tensor | None,
                 act: nn.Module) -> Tensor:
-        act_forward, _ = _activation(act)
         rows = x.reshape(-1, x.shape[-1])
         shape = (rows.shape[0], w_in.shape[0])
         h = buffers.empty(shape, x.dtype)
@@ -126,7 +124,7 @@ class PooledFeedForward(torch.autograd.Function):
             torch.mm(rows, w_in.t(), out=h)
         else:
             torch.addmm(b_in, rows, w_in.t(), out=h)
-        a = act_forward(h, buffers.empty(shape, x.dtype))
+        a = activate_into(act, h, buffers.empty(shape, x.dtype))
         y = F.linear(a, w_out, b_out)
         ctx.save_for_backward(x, w_in, b_in, h, a, w_out, b_out)
         ctx.act = act
@@ -136,30 +134,18 @@ class PooledFeedForward(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, w_in, b_in, h, a, w_out, b_out = ctx.saved_tensors
         need_x, need_w_in, need_b_in, need_w_out, need_b_out, _ = ctx.needs_input_grad
-        if torch.is_grad_enabled():             # create_graph=True: differentiable operations
-            return (*_differentiable_grads(ctx, x, w_in, b_in, w_out, b_out, grad), None)
+        if torch.is_grad_enabled():             # create_graph=True: autograd's path, with a graph
+            return (*graph_gradients(lambda x, wi, bi, wo, bo: F.linear(ctx.act(F.linear(x, wi, bi)), wo, bo),
+                                     (x, w_in, b_in, w_out, b_out), grad, ctx.needs_input_grad), None)
         rows = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, grad.shape[-1])
         grad_w_out = g.t().mm(a) if need_w_out else None
         grad_b_out = g.sum(0) if need_b_out else None
         grad_x = grad_w_in = grad_b_in = None
         if need_x or need_w_in or need_b_in:
-            _, act_backward_ = _activation(ctx.act)
-            gh = act_backward_(torch.mm(g, w_out, out=buffers.empty(h.shape, h.dtype)), h)
+            gh = activation_grad_(ctx.act, torch.mm(g, w_out, out=buffers.empty(h.shape, h.dtype)), h)
             grad_w_in = gh.t().mm(rows) if need_w_in else None
             grad_b_in = gh.sum(0) if need_b_in else None
             grad_x = gh.mm(w_in).view(x.shape) if need_x else None
         return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None
 
-
-def _differentiable_grads(ctx: Any, x: Tensor, w_in: Tensor, b_in: Tensor | None, w_out: Tensor,
-                          b_out: Tensor | None, grad: Tensor) -> tuple[Tensor | None, ...]:
-    """The gradients through autograd's own path, with a graph (each input through its own alias, so
-    that one tensor in two slots gets each slot's gradient)."""
-    slots = [t.view_as(t) if t is not None and t.requires_grad else t for t in (x, w_in, b_in, w_out, b_out)]
-    xs, wi, bi, wo, bo = slots
-    out = F.linear(ctx.act(F.linear(xs, wi, bi)), wo, bo)
-    taken = [need and t is not None and t.requires_grad for t, need in zip(slots, ctx.needs_input_grad)]
-    found = iter(torch.autograd.grad(out, [t for t, take in zip(slots, taken) if take], grad,
-                                     create_graph=True, allow_unused=True))
-    return tuple(next(found) if take else None for take in taken)

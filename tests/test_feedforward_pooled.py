@@ -185,6 +185,25 @@ def test_a_request_takes_the_smallest_free_buffer_that_fits():
     assert emptied_pool() == held
 
 
+def test_free_buffers_go_least_recently_used_first_once_they_outweigh_the_peak_handed_out():
+    """Free buffers stay while they add up to no more than the most ever handed out at once; past that
+    the least recently used goes first, and the pool never drops a buffer still held."""
+    held = emptied_pool()
+    before = buffers.state()["bytes"]                         # held by tensors of earlier tests
+    small = 4096 + before                                     # bytes: larger than everything held
+    old = buffers.empty((small,), torch.uint8)
+    del old                                                   # free, the least recently used
+    big = buffers.empty((3 * small,), torch.uint8)            # too large for old's buffer: a new one
+    del big                                                   # free: 4 small, peak handed out 3 small
+    assert buffers.state() == {"buffers": held + 2, "free": 2, "bytes": before + 4 * small}
+    tiny = buffers.empty((small // 8,), torch.uint8)          # fits neither: new; old's buffer goes
+    assert buffers.state() == {"buffers": held + 2, "free": 1, "bytes": before + 3 * small + small // 8}
+    again = buffers.empty((3 * small,), torch.uint8)          # big's buffer survived
+    assert buffers.state()["buffers"] == held + 2
+    del tiny, again
+    assert emptied_pool() == held
+
+
 def test_a_training_loop_allocates_no_new_buffer_after_its_first_step(taken):
     """Every step after the first writes its feedforward hiddens and kept attention weights into the
     buffers the first step left free; the model's gradients equal autograd's path throughout."""

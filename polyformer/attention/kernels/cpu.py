@@ -32,12 +32,12 @@ import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import Tensor
 
-from ...autodiff import transformed
+from ...autodiff import graph_gradients, transformed
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
@@ -56,23 +56,22 @@ _recompute = [0]                            # depth of `recomputed_weights()` bl
 
 
 @contextmanager
-def switched_off() -> Iterator[None]:
+def _deeper(depth: list[int]) -> Iterator[None]:
+    depth[0] += 1
+    try:
+        yield
+    finally:
+        depth[0] -= 1
+
+
+def switched_off() -> ContextManager[None]:
     """Within the block every call keeps `scaled_dot_product_attention` (the benchmarks' baseline)."""
-    _off[0] += 1
-    try:
-        yield
-    finally:
-        _off[0] -= 1
+    return _deeper(_off)
 
 
-@contextmanager
-def recomputed_weights() -> Iterator[None]:
+def recomputed_weights() -> ContextManager[None]:
     """Within the block no call keeps its weights: the backward recomputes them (tests, benchmarks)."""
-    _recompute[0] += 1
-    try:
-        yield
-    finally:
-        _recompute[0] -= 1
+    return _deeper(_recompute)
 
 
 def kept_floats(i: int, j: int, causal: bool) -> int:
@@ -259,12 +258,8 @@ def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: flo
     have gradients in turn."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # each slot differentiated through its own alias: one tensor passed as both q and k gets one
-    # gradient per slot, which autograd then adds, not the sum of both in each
-    slots = [t.view_as(t) if t.requires_grad else t for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            *slots, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    wanted = [t for t in slots if t.requires_grad]
-    found = iter(torch.autograd.grad(out, wanted, grad, create_graph=True))
-    return tuple(next(found) if t.requires_grad else None for t in slots)
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return graph_gradients(attend, (q, k, v), grad)
