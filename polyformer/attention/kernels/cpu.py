@@ -8,8 +8,8 @@ KEEP_KEYS keys the forward keeps each block's weights for the backward (`keeps`)
 calls recompute them in the backward from the forward's log-sum-exp (FlashAttention,
 arXiv:2205.14135). Its large outputs, gradients and kept weights come from a pool that hands the same
 memory out again every step (`polyformer/buffers.py`). With 8 heads of 64 it runs a causal forward +
-backward 1.5x (seq 512, batch 8, weights kept) and 1.4x (seq 1024, batch 4, recomputed) faster than
-ATen's (`benchmarks/attention.py`).
+backward 1.8x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's
+(`benchmarks/attention.py`).
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
 outside export, tracing, autocast, torch.func transforms and forward-mode AD: always in training
