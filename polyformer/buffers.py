@@ -7,7 +7,8 @@ thousand faults, `getrusage`), on 3.1-3.6 s steps. The pool behind `empty` keeps
 out and hands one out again once nothing holds it any more (the autograd graph that saved it is
 gone), so that the second and later steps of a training loop write into memory already mapped. The
 pool lives in the compiled CPU kernel (`attention/kernels/cpu_attention.cpp`), which also takes the
-attention weights it keeps for the backward from it; without that kernel (or with
+attention weights it keeps for the backward, its outputs and its gradients from it; the feedforward
+(`PooledFeedForward`) and the attention projections (`pooled.linear`) take theirs from `empty`; without that kernel (or with
 `POLYFORMER_CPU_ATTENTION=0`) `empty` is `torch.empty`.
 
 A request takes the smallest free buffer of at least its size and at most twice it, or a new one.
@@ -19,7 +20,6 @@ allocator's does); `release` gives the free buffers back.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Sequence
 
@@ -45,8 +45,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     module = _module()
     if module is None:
         return torch.empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    return module.pooled_bytes(max(numel, 1) * dtype.itemsize).view(dtype)[:numel].view(shape)
+    return module.pooled_tensor(list(shape), dtype)
 
 
 def state() -> dict[str, int]:

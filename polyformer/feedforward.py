@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import buffers
-from .autodiff import graph_gradients, transformed
+from . import buffers, pooled
+from .autodiff import graph_gradients
 from .config import FeedForwardConfig
 
 
@@ -90,23 +90,14 @@ def activation_grad_(act: nn.Module, grad: Tensor, h: Tensor) -> Tensor:
 
 
 def pooled_applies(ff: FeedForward, x: Tensor) -> bool:
-    """Whether this call takes PooledFeedForward: autograd records it on the CPU, the stages are plain
-    linears around an activation it knows (no gate, no active dropout), and nothing traces or
-    transforms it (torch.compile, export, torch.func, forward-mode AD, autocast keep autograd's own)."""
-    if not torch.is_grad_enabled() or ff.glu or (ff.dropout.p > 0 and ff.training):
+    """Whether this call takes PooledFeedForward: the stages are plain linears around an activation it
+    knows (no gate, no active dropout), and the call `pooled.applies` (autograd records it on the CPU,
+    nothing traces or transforms it)."""
+    if ff.glu or (ff.dropout.p > 0 and ff.training):
         return False
     if type(ff.proj_in) is not nn.Linear or type(ff.proj_out) is not nn.Linear or type(ff.act) not in POOLED_ACTIVATIONS:
         return False
-    params = (ff.proj_in.weight, ff.proj_out.weight)
-    if not (x.requires_grad or any(p.requires_grad for p in params)):
-        return False
-    if x.device.type != "cpu" or x.dim() < 2 or any(p.dtype != x.dtype for p in params):
-        return False
-    if torch.is_autocast_enabled("cpu"):
-        return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():
-        return False
-    return not transformed(x, *params) and buffers.available()
+    return pooled.applies(x, ff.proj_in.weight, ff.proj_out.weight)
 
 
 class PooledFeedForward(torch.autograd.Function):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import pooled
+
 
 class TalkingHeads(nn.Module):
     """A learned heads x heads mix of per-head score maps, initialised to the identity."""
@@ -45,7 +47,7 @@ class Output(nn.Module):
         out = out.transpose(1, 2).reshape(b, n, h * d)          # merge heads
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
-        out = self.proj(out)
+        out = pooled.linear(self.proj, out)
         if self.on_attn:
             value, gate = out.chunk(2, dim=-1)
             out = value * torch.sigmoid(gate)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
+from .. import pooled
 from ..interfaces import KV, Source
 from ..position.sinusoidal import PositionInfusion
 
@@ -68,7 +69,7 @@ class Projection(nn.Module):
             k = F.linear(self.infusion(src.x, src.pos), w_k, b_k)
             v = F.linear(src.x, w_v, b_v)
         elif src.x is x:
-            q, k, v = self.to_qkv(x).split(self.split, dim=-1)
+            q, k, v = pooled.linear(self.to_qkv, x).split(self.split, dim=-1)
         else:   # XL memories precede x in the source: project once, queries are the last rows
             q, k, v = self.to_qkv(src.x).split(self.split, dim=-1)
             q = q[:, -x.shape[1]:]

@@ -203,6 +203,15 @@ at::Tensor pooled_bytes(int64_t n) {
 
 at::Tensor pooled(int64_t floats) { return pooled_bytes(floats * 4).view(at::kFloat); }
 
+// A contiguous tensor of these sizes and dtype on a pooled buffer's storage: not a view of the pool's
+// byte tensor, so autograd takes it as a fresh tensor and views of it have it as their base.
+at::Tensor pooled_tensor(std::vector<int64_t> sizes, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  const at::Tensor raw = pooled_bytes(std::max<int64_t>(n, 1) * c10::elementSize(dtype));
+  return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(raw.storage(), 0, sizes);
+}
+
 // A float32 tensor of these sizes, contiguous: from the pool from 1 MiB up (outputs and gradients of a
 // training step, which would otherwise fault in fresh pages every step), else a plain allocation.
 at::Tensor empty_floats(at::IntArrayRef sizes) {
@@ -327,11 +336,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   return {out, lse, weights};
 }
 
-// Returns (dq, dk, dv) for grad_out (b, h, i, dv) given the forward's out, lse and weights (kept, or
-// empty: recomputed).
-std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& weights, double scale, bool causal) {
+namespace {
+
+// dq (b, h, i, d), and dk, dv per query head (b, h, j, d*), zeroed, for grad_out (b, h, i, dv) given the
+// forward's out, lse and weights (kept, or empty: recomputed); any layout with unit stride in d.
+void backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                   const at::Tensor& weights, double scale, bool causal, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv) {
   check_inputs(q, k, v);
   TORCH_CHECK(grad_out.stride(3) == 1 && leading(grad_out) >= grad_out.size(3) && out.stride(3) == 1 &&
                   lse.is_contiguous(),
@@ -344,11 +356,6 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
                         weights.size(1) == H && weights.size(2) == per_task),
               "cpu attention backward: the kept weights do not match q and k");
   const int64_t group = H / k.size(1);
-  // dK and dV per query head (tasks of one group run on different threads), summed over each group
-  // at the end
-  at::Tensor dq = empty_floats({B, I, H, D}).transpose(1, 2);
-  at::Tensor dk = empty_floats({B, J, H, D}).zero_().transpose(1, 2);
-  at::Tensor dv = empty_floats({B, J, H, DV}).zero_().transpose(1, 2);
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
@@ -424,12 +431,61 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       }
     }
   });
-  if (group > 1) {
-    const int64_t HK = H / group;
-    dk = dk.reshape({B, HK, group, J, D}).sum(2);
-    dv = dv.reshape({B, HK, group, J, DV}).sum(2);
-  }
+}
+
+// dK and dV of each query head, zeroed (tasks of one kv head's group run on different threads)
+at::Tensor per_query_head(int64_t B, int64_t H, int64_t J, int64_t D) {
+  return empty_floats({B, J, H, D}).zero_().transpose(1, 2);
+}
+
+// dK or dV per query head (b, h, j, d) summed over each kv head's group of `group` heads
+at::Tensor grouped(const at::Tensor& t, int64_t group) {
+  return t.reshape({t.size(0), t.size(1) / group, group, t.size(2), t.size(3)}).sum(2);
+}
+
+}  // namespace
+
+// Returns (dq, dk, dv) for grad_out (b, h, i, dv) given the forward's out, lse and weights (kept, or
+// empty: recomputed).
+std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& weights, double scale, bool causal) {
+  check_inputs(q, k, v);
+  const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), group = H / k.size(1);
+  at::Tensor dq = empty_floats({B, I, H, q.size(3)}).transpose(1, 2);
+  at::Tensor dk = per_query_head(B, H, J, k.size(3)), dv = per_query_head(B, H, J, v.size(3));
+  backward_into(grad_out, q, k, v, out, lse, weights, scale, causal, dq, dk, dv);
+  if (group > 1) return {dq, grouped(dk, group), grouped(dv, group)};
   return {dq, dk, dv};
+}
+
+// The same gradients for q, k and v that are one projection's columns, side by side: heads of q, then
+// of k, then of v, in each row of a (b, t, C) tensor. Returns that tensor's gradient, written in
+// place of the three (no concatenation afterwards).
+at::Tensor backward_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                           const at::Tensor& weights, double scale, bool causal) {
+  check_inputs(q, k, v);
+  const int64_t B = q.size(0), H = q.size(1), I = q.size(2), HK = k.size(1), group = H / HK;
+  const int64_t D = q.size(3), DV = v.size(3);
+  TORCH_CHECK(k.size(2) == I, "cpu attention backward_packed: keys and queries must be the same rows");
+  const int64_t C = H * D + HK * D + HK * DV;
+  at::Tensor dqkv = empty_floats({B, I, C});
+  auto columns = [&](int64_t start, int64_t heads, int64_t d) {
+    return dqkv.narrow(2, start, heads * d).view({B, I, heads, d}).transpose(1, 2);
+  };
+  at::Tensor dq = columns(0, H, D), dk = columns(H * D, HK, D), dv = columns(H * D + HK * D, HK, DV);
+  if (group == 1) {
+    dk.zero_();
+    dv.zero_();
+    backward_into(grad_out, q, k, v, out, lse, weights, scale, causal, dq, dk, dv);
+    return dqkv;
+  }
+  at::Tensor dk_heads = per_query_head(B, H, I, D), dv_heads = per_query_head(B, H, I, DV);
+  backward_into(grad_out, q, k, v, out, lse, weights, scale, causal, dq, dk_heads, dv_heads);
+  dk.copy_(grouped(dk_heads, group));
+  dv.copy_(grouped(dv_heads, group));
+  return dqkv;
 }
 
 // Keys per chunk, for tests that span several chunks with small inputs (a global: not to be changed
@@ -445,9 +501,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_state", &pool_state, "(buffers, free buffers, bytes) of the buffer pool; release drops the "
         "free ones first");
   m.def("pooled_bytes", &pooled_bytes, "a uint8 tensor of n bytes from the buffer pool");
+  m.def("pooled_tensor", &pooled_tensor, "a contiguous tensor of these sizes and dtype from the buffer pool");
   // the GIL is released: other Python threads run while a kernel does
   m.def("forward", &forward, "exact attention forward (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("backward", &backward, "exact attention backward (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("backward_packed", &backward_packed, "exact attention backward into one (b, t, q|k|v columns) "
+        "gradient (float32, CPU)", py::call_guard<py::gil_scoped_release>());
 }
