@@ -11,7 +11,7 @@ memory out again every step (`polyformer/buffers.py`). When q, k and v are the c
 projection (`packed_columns`), the backward writes that projection's gradient whole, in place of three
 gradients autograd would concatenate; the log-sum-exp and kept weights take no gradient, so autograd
 makes no zeros for them (it did: 38 MB of weights per layer zero-filled in every step at seq 512). With 8 heads of 64 it runs a causal forward +
-backward 1.8x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's
+backward 2.2x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's
 (`benchmarks/attention.py`).
 
 The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
@@ -93,9 +93,9 @@ def keeps(q: Tensor, k: Tensor, causal: bool) -> bool:
     """Whether a call keeps its softmax weights for the backward instead of recomputing them from the
     log-sum-exp: when autograd records it, up to KEEP_KEYS keys and KEEP_BYTES of weights. The
     backward then skips one of its five products and every exp. Measured in whole training steps
-    (paired rounds, dim 512, 8 heads): 0.06 s a step faster at seq 512 batch 8, but not faster at seq
-    1024 batch 4, where 71 MB of weights per layer cost more in memory traffic and page faults
-    elsewhere in the step than the product saves; hence 512. Memory is quadratic in the length.
+    (paired rounds, dim 512, 8 heads): 0.06 s a step faster at seq 512 batch 8. At seq 1024 batch 4
+    (71 MB of weights per layer) two paired runs gave +0.15 s and -0.02 s, not a clear gain; hence
+    512. Memory is quadratic in the length.
     """
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not recording or _recompute[0] or k.shape[-2] > KEEP_KEYS:
