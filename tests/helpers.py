@@ -44,3 +44,24 @@ def emptied_pool() -> int:
     state = buffers.state()
     assert state["free"] == 0
     return state["buffers"]
+
+
+def sgd_steps(model: torch.nn.Module, x: torch.Tensor, steps: int = 3) -> list[dict[str, int]]:
+    """`steps` SGD steps (lr 0.1) of model on x's loss `loss_grads` differentiates; the buffer pool's
+    state after each step's backward."""
+    from polyformer import buffers
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = []
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).logsumexp(-1).mean().backward()
+        states.append(buffers.state())
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return states
+
+
+def loss_grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradients of logsumexp(model(x)).mean() against every parameter."""
+    return torch.autograd.grad(model(x).logsumexp(-1).mean(), list(model.parameters()))

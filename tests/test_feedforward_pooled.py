@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from polyformer import buffers, feedforward
 from polyformer.config import FeedForwardConfig
 from polyformer.feedforward import FeedForward, PooledFeedForward
-from tests.helpers import emptied_pool, tiny_lm
+from tests.helpers import emptied_pool, loss_grads, sgd_steps, tiny_lm
 
 
 def test_the_pool_is_available_on_this_machine():
@@ -210,27 +210,17 @@ def test_a_training_loop_allocates_no_new_buffer_after_its_first_step(taken):
     held = emptied_pool()
     model = tiny_lm(seed=0, depth=3, max_seq_len=70).train()
     x = torch.randint(0, model.num_tokens, (2, 70), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    states = []
-    for _ in range(3):
-        loss = model(x).logsumexp(-1).mean()
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        states.append(buffers.state())
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g
-        opt.step()
+    states = sgd_steps(model, x)
     assert len(taken) == 9                                        # three layers, three steps
     assert states[0]["buffers"] > held and states[1] == states[0] == states[2]
     assert states[0]["free"] == states[0]["buffers"] - held       # nothing held once a step is done
     real = feedforward.pooled_applies
     try:
         feedforward.pooled_applies = lambda *a: False
-        loss = model(x).logsumexp(-1).mean()
-        ref = torch.autograd.grad(loss, list(model.parameters()))
+        ref = loss_grads(model, x)
     finally:
         feedforward.pooled_applies = real
-    loss = model(x).logsumexp(-1).mean()
-    for a, b in zip(torch.autograd.grad(loss, list(model.parameters())), ref):
+    for a, b in zip(loss_grads(model, x), ref):
         assert_close(a, b, atol=1e-6, rtol=1e-5)
-    del grads, loss
+    del ref
     assert emptied_pool() == held

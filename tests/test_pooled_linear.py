@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from polyformer import buffers, pooled
+from polyformer import pooled
 from polyformer.pooled import PooledLinear
-from tests.helpers import emptied_pool, tiny_lm
+from tests.helpers import emptied_pool, loss_grads, sgd_steps, tiny_lm
 
 
 @pytest.fixture
@@ -143,19 +143,13 @@ def test_a_models_projections_take_it_and_train_to_autograds_gradients(taken, mo
     held = emptied_pool()
     model = tiny_lm(seed=0, depth=2, max_seq_len=40).train()
     x = torch.randint(0, model.num_tokens, (2, 40), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    states = []
-    for _ in range(3):
-        opt.zero_grad()
-        model(x).logsumexp(-1).mean().backward()
-        states.append(buffers.state())
-        opt.step()
+    states = sgd_steps(model, x)
     assert len(taken) == 12                                     # two projections, two layers, three steps
     assert states[1] == states[2]
-    ours = torch.autograd.grad(model(x).logsumexp(-1).mean(), list(model.parameters()))
+    ours = loss_grads(model, x)
     monkeypatch.setattr(pooled, "linear", lambda layer, t: layer(t))
-    ref = torch.autograd.grad(model(x).logsumexp(-1).mean(), list(model.parameters()))
+    ref = loss_grads(model, x)
     for a, b in zip(ours, ref):
         assert_close(a, b, atol=1e-6, rtol=1e-5)
-    del ours, ref, opt, model
+    del ours, ref, model
     assert emptied_pool() == held
