@@ -108,14 +108,8 @@ class PooledFeedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w_in: Tensor, b_in: Tensor | None, w_out: Tensor, b_out: Tensor | None,
                 act: nn.Module) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        shape = (rows.shape[0], w_in.shape[0])
-        h = buffers.empty(shape, x.dtype)
-        if b_in is None:
-            torch.mm(rows, w_in.t(), out=h)
-        else:
-            torch.addmm(b_in, rows, w_in.t(), out=h)
-        a = activate_into(act, h, buffers.empty(shape, x.dtype))
+        h = pooled.project(x.reshape(-1, x.shape[-1]), w_in, b_in)
+        a = activate_into(act, h, buffers.empty(h.shape, x.dtype))
         y = F.linear(a, w_out, b_out)
         ctx.save_for_backward(x, w_in, b_in, h, a, w_out, b_out)
         ctx.act = act
@@ -130,13 +124,10 @@ class PooledFeedForward(torch.autograd.Function):
                                      (x, w_in, b_in, w_out, b_out), grad, ctx.needs_input_grad), None)
         rows = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, grad.shape[-1])
-        grad_w_out = g.t().mm(a) if need_w_out else None
-        grad_b_out = g.sum(0) if need_b_out else None
+        grad_w_out, grad_b_out = pooled.parameter_grads(g, a, need_w_out, need_b_out)
         grad_x = grad_w_in = grad_b_in = None
         if need_x or need_w_in or need_b_in:
             gh = activation_grad_(ctx.act, torch.mm(g, w_out, out=buffers.empty(h.shape, h.dtype)), h)
-            grad_w_in = gh.t().mm(rows) if need_w_in else None
-            grad_b_in = gh.sum(0) if need_b_in else None
+            grad_w_in, grad_b_in = pooled.parameter_grads(gh, rows, need_w_in, need_b_in)
             grad_x = gh.mm(w_in).view(x.shape) if need_x else None
         return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None
-

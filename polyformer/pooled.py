@@ -40,20 +40,32 @@ def linear(layer: nn.Module, x: Tensor) -> Tensor:
     return layer(x)
 
 
+def project(rows: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple[int, ...] | None = None) -> Tensor:
+    """rows (n, in) @ weight^T + bias into a pooled tensor of `shape` (default (n, out)), returned as it
+    is: not a view, so views of it have it as their base (cpu.packed_columns looks for that)."""
+    out = buffers.empty(shape or (rows.shape[0], weight.shape[0]), rows.dtype)
+    flat = out.view(rows.shape[0], weight.shape[0])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=flat)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=flat)
+    return out
+
+
+def parameter_grads(g: Tensor, rows: Tensor, need_weight: bool, need_bias: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The weight's and bias's gradients of a linear layer that read `rows` (n, in), for the output
+    gradient g (n, out)."""
+    return g.t().mm(rows) if need_weight else None, g.sum(0) if need_bias else None
+
+
 class PooledLinear(torch.autograd.Function):
     """F.linear(x, weight, bias) with its output and the input's gradient in pooled memory. A backward
     under create_graph=True runs F.linear's own, so that it has derivatives in turn."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = buffers.empty((*x.shape[:-1], weight.shape[0]), x.dtype)    # returned as it is, not a view:
-        if bias is None:                                                  # views of it have it as their base
-            torch.mm(rows, weight.t(), out=out.view(rows.shape[0], -1))
-        else:
-            torch.addmm(bias, rows, weight.t(), out=out.view(rows.shape[0], -1))
         ctx.save_for_backward(x, weight, bias)
-        return out
+        return project(x.reshape(-1, x.shape[-1]), weight, bias, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -62,11 +74,7 @@ class PooledLinear(torch.autograd.Function):
             return graph_gradients(F.linear, (x, weight, bias), grad, ctx.needs_input_grad)
         need_x, need_weight, need_bias = ctx.needs_input_grad
         g = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_weight = grad_bias = None
+        grad_x = None
         if need_x:
-            grad_x = torch.mm(g, weight, out=buffers.empty((g.shape[0], weight.shape[1]), g.dtype)).view(x.shape)
-        if need_weight:
-            grad_weight = g.t().mm(x.reshape(-1, x.shape[-1]))
-        if need_bias:
-            grad_bias = g.sum(0)
-        return grad_x, grad_weight, grad_bias
+            grad_x = torch.mm(g, weight, out=buffers.empty(x.shape, g.dtype).view(g.shape[0], -1)).view(x.shape)
+        return (grad_x, *parameter_grads(g, x.reshape(-1, x.shape[-1]), need_weight, need_bias))

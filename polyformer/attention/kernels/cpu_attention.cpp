@@ -201,24 +201,21 @@ at::Tensor pooled_bytes(int64_t n) {
   return handed;
 }
 
-at::Tensor pooled(int64_t floats) { return pooled_bytes(floats * 4).view(at::kFloat); }
-
 // A contiguous tensor of these sizes and dtype on a pooled buffer's storage: not a view of the pool's
 // byte tensor, so autograd takes it as a fresh tensor and views of it have it as their base.
 at::Tensor pooled_tensor(std::vector<int64_t> sizes, at::ScalarType dtype) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
+  const int64_t n = c10::multiply_integers(sizes);
   const at::Tensor raw = pooled_bytes(std::max<int64_t>(n, 1) * c10::elementSize(dtype));
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(raw.storage(), 0, sizes);
 }
 
 // A float32 tensor of these sizes, contiguous: from the pool from 1 MiB up (outputs and gradients of a
 // training step, which would otherwise fault in fresh pages every step), else a plain allocation.
-at::Tensor empty_floats(at::IntArrayRef sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  if (n * 4 < (int64_t{1} << 20)) return at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
-  return pooled(n).view(sizes);
+at::Tensor empty_floats(std::vector<int64_t> sizes) {
+  if (c10::multiply_integers(sizes) * 4 < (int64_t{1} << 20)) {
+    return at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  }
+  return pooled_tensor(std::move(sizes), at::kFloat);
 }
 
 // Row-major P (rows x cols) = softmax(S) in place for a block whose rows start at query i0, each row's
@@ -265,7 +262,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor out = empty_floats({B, I, H, DV}).transpose(1, 2);
   at::Tensor lse = at::empty({B, H, I}, q.options());
   const int64_t per_task = keep ? kept_per_task(I, J, causal) : 0;
-  at::Tensor weights = keep ? pooled(B * H * per_task).view({B, H, per_task}) : at::empty({0}, q.options());
+  at::Tensor weights = keep ? pooled_tensor({B, H, per_task}, at::kFloat) : at::empty({0}, q.options());
   const float alpha = static_cast<float>(scale);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
