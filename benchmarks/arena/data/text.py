@@ -1,0 +1,45 @@
+"""Byte-level text for the language-modelling tasks: the built-in corpus (the Python standard
+library's sources, no download) split by file into train and validation, windows drawn from it
+deterministically, and its longest files for the long-text task."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from polyformer.train.corpus import Corpus, load_corpus
+
+VOCAB = 256                     # bytes
+
+
+@lru_cache(maxsize=1)
+def corpus_split() -> tuple[Corpus, Corpus]:
+    """(train, validation) of the built-in corpus, split by file as `polyformer train` does."""
+    return load_corpus().split()
+
+
+def as_tokens(corpus: Corpus) -> Tensor:
+    return corpus.tokens()
+
+
+def windows(data: Tensor, batch: int, length: int, seed: int) -> Tensor:
+    """(batch, length) windows of `data` at random offsets drawn from `seed` alone."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - length, (batch,), generator=g)
+    return torch.stack([data[s:s + length] for s in starts.tolist()])
+
+
+def spaced_windows(data: Tensor, count: int, length: int) -> Tensor:
+    """(count, length) windows starting at evenly spaced offsets of `data` (evaluation)."""
+    if len(data) < length + count:
+        raise ValueError(f"the text ({len(data)} tokens) is too short for {count} windows of {length}")
+    step = (len(data) - length) // count
+    return torch.stack([data[i * step:i * step + length] for i in range(count)])
+
+
+def longest_files(corpus: Corpus, count: int) -> list[tuple[str, Tensor]]:
+    """The `count` longest files of the corpus, longest first, as byte tokens."""
+    contents = sorted(corpus.contents(), key=lambda item: (-len(item[1]), item[0]))[:count]
+    return [(name, torch.frombuffer(bytearray(content), dtype=torch.uint8).long()) for name, content in contents]

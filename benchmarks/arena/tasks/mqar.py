@@ -1,0 +1,135 @@
+"""Multi-query associative recall (Arora et al. 2023, "Zoology", arXiv:2312.04927): key-value pairs,
+then every key again; the model must answer each with its value. Accuracy by model width.
+
+Zoology's finding: softmax attention solves MQAR at small width, while gated-convolution and
+linear / kernel attention need far more width or fail. Every variant trains a 2-layer causal model
+per width on the same examples in the same order, and is scored on the same held-out examples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import record
+from ..data import mqar
+from ..harness import Budget, Optimiser, with_changes, build_model, parameters, run_rows, train
+from ..variants import Variant
+
+DESCRIPTION = "multi-query associative recall: accuracy by width, 2-layer causal models (Zoology)"
+DEFAULT_BUDGET = "12M"
+# Zoology's defaults (zoology/config.py): 2 layers, 1 head, batch 32, lr 1e-3, vocabulary 256 at
+# length 64, stopping once test accuracy reaches 99%; they train up to 100 epochs of 10k examples.
+FULL = dict(seq_len=64, num_pairs=8, vocab=256, widths=(32, 64, 128), depth=2, heads=1, batch=32,
+            train_examples=20_000, test_examples=1_000, lr=1e-3, solved=0.99, check_every=500)
+QUICK = dict(seq_len=24, num_pairs=4, vocab=64, widths=(16, 32), depth=2, heads=1, batch=8,
+             train_examples=64, test_examples=16, lr=1e-3, solved=0.99, check_every=10)
+
+
+def settings(quick: bool, budget: Budget, seed: int, changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**with_changes(QUICK if quick else FULL, changes, "mqar"), "budget": budget.to_json(), "seed": seed}
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch: int = 250
+             ) -> tuple[float, float]:
+    """(share of queries answered right, share of examples with every query right)."""
+    right, asked, whole = 0, 0, 0
+    for i in range(0, len(inputs), batch):
+        x, y = inputs[i:i + batch], targets[i:i + batch]
+        guess = model(x).argmax(-1)
+        scored = y != -100
+        hit = (guess == y) & scored
+        right += int(hit.sum())
+        asked += int(scored.sum())
+        whole += int((hit.sum(1) == scored.sum(1)).sum())
+    return right / asked, whole / len(inputs)
+
+
+def run_width(v: Variant, s: dict[str, Any], width: int, budget: Budget, data: tuple[torch.Tensor, ...],
+              log: Callable[[str], None]) -> dict[str, Any]:
+    train_x, train_y, test_x, test_y = data
+    model = build_model(v, num_tokens=s["vocab"], max_seq_len=s["seq_len"], dim=width, depth=s["depth"],
+                        heads=s["heads"], causal=True, seed=s["seed"])
+    order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(s["seed"]))
+    per_epoch = len(train_x) // s["batch"]
+
+    def step_loss(step: int) -> tuple[torch.Tensor, int]:
+        epoch, i = divmod(step, per_epoch)
+        pick = order[i * s["batch"]:(i + 1) * s["batch"]]
+        if epoch:                               # a fresh order each epoch, the same for every variant
+            g = torch.Generator().manual_seed(s["seed"] * 7919 + epoch)
+            pick = torch.randperm(len(train_x), generator=g)[i * s["batch"]:(i + 1) * s["batch"]]
+        x, y = train_x[pick], train_y[pick]
+        logits = model(x)
+        return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100), x.numel()
+
+    trained = train(model, step_loss, budget, Optimiser(lr=s["lr"]), log=log, log_every=500,
+                    done=lambda: accuracy(model, test_x, test_y)[0] >= s["solved"], check_every=s["check_every"])
+    acc, whole = accuracy(model, test_x, test_y)
+    log(f"  width {width}: accuracy {acc:.3f} (all queries right in {whole:.1%} of examples)")
+    return {"parameters": parameters(model), "train": trained.to_json(), "accuracy": acc, "all_right": whole}
+
+
+def solved(tokens: int | None) -> str:
+    return "not reached" if tokens is None else f"{tokens / 1e6:.1f}M"
+
+
+def markdown(rec: dict[str, Any]) -> str:
+    from ...common import markdown_table
+
+    s = rec["settings"]
+    widths = [str(w) for w in s["widths"]]
+    rows = []
+    for name, r in rec["rows"].items():
+        by = r["widths"]
+        rows.append([f"`{name}`"] + [record.fmt(by[w]["accuracy"]) for w in widths]
+                    + [" / ".join(solved(by[w]["train"]["solved_at"]) for w in widths),
+                       " / ".join(f"{by[w]['train']['tokens_per_s']:,.0f}" for w in widths),
+                       " / ".join(record.mib(by[w]["train"]["peak_mib"]) for w in widths),
+                       " / ".join(f"{by[w]['parameters']:,}" for w in widths)])
+    headers = (["variant"] + [f"accuracy, width {w}" for w in widths]
+               + [f"tokens to {s['solved']:.0%} by width", "tok/s by width", "step memory MiB by width",
+                  "params by width"])
+    return (f"# Associative recall (MQAR)\n\n{DESCRIPTION}. Sequences of {s['seq_len']} tokens: "
+            f"{s['num_pairs']} key-value pairs, then every key again (vocabulary {s['vocab']}, keys and values "
+            f"from separate halves); accuracy over the queries of {s['test_examples']} held-out examples. "
+            f"{s['depth']} layers, {s['heads']} heads, {s['train_examples']:,} training examples, batch {s['batch']}, "
+            f"{Budget(**s['budget']).describe()} per model at most, AdamW lr {s['lr']}, seed {s['seed']}; "
+            "as in Zoology, "
+            f"training stops once the held-out accuracy (checked every {s['check_every']} steps) reaches "
+            f"{s['solved']:.0%}.\n\n"
+            + markdown_table(headers, rows))
+
+
+def plot(rec: dict[str, Any], out_dir: Path) -> list[str]:
+    from ...common import pyplot, save_figure
+
+    plt = pyplot()
+    s = rec["settings"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in rec["rows"].items():
+        ax.plot(s["widths"], [r["widths"][str(w)]["accuracy"] for w in s["widths"]], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("model width (dim)")
+    ax.set_ylabel("MQAR accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"MQAR, {s['num_pairs']} pairs in {s['seq_len']} tokens")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir, "mqar.png")
+
+
+def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick: bool, seed: int,
+        log: Callable[[str], None], changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    budget = budget or Budget.parse("2k" if quick else DEFAULT_BUDGET)
+    s = settings(quick, budget, seed, changes)
+    shape = dict(seq_len=s["seq_len"], num_pairs=s["num_pairs"], vocab_size=s["vocab"])
+    data = (*mqar.generate(s["train_examples"], seed, **shape), *mqar.generate(s["test_examples"], seed + 1, **shape))
+    rows = run_rows("mqar", variants,
+                    lambda v: {"widths": {str(w): run_width(v, s, w, budget, data, log) for w in s["widths"]}}, log)
+    rec = record.merge(out_dir, "mqar", s, rows)
+    record.write(out_dir, rec, markdown(rec), plot(rec, out_dir))
+    return rec
