@@ -74,7 +74,7 @@ class SinusoidalPositions(nn.Module):
         self.scale = nn.Parameter(torch.tensor(dim ** -0.5)) if scaled else None
 
     def forward(self, pos: Tensor) -> Tensor:
-        emb = sinusoidal(pos, self.dim)
+        emb = sinusoidal(pos, self.dim, dtype=self.scale.dtype if self.scale is not None else torch.float32)
         return emb * self.scale if self.scale is not None else emb
 
 

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .precision import upcast
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * g, computed in float32 (arXiv:1910.07467)."""
+    """x / rms(x) * g, computed in at least float32 (arXiv:1910.07467)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -18,9 +20,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).to(x.dtype)
+        return (out * self.weight.to(x32.dtype)).to(x.dtype)
 
 
 class ScaleNorm(nn.Module):
@@ -32,17 +34,18 @@ class ScaleNorm(nn.Module):
         self.g = nn.Parameter(torch.tensor(math.sqrt(dim)))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         norm = x32.norm(dim=-1, keepdim=True).clamp(min=self.eps)
-        return (x32 / norm * self.g.float()).to(x.dtype)
+        return (x32 / norm * self.g.to(x32.dtype)).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm that keeps the input dtype under autocast (computed in float32)."""
+    """LayerNorm that keeps the input dtype under autocast (computed in at least float32)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.float64) and (self.weight is None or self.weight.dtype == x.dtype):
             return super().forward(x)
-        weight = self.weight.float() if self.weight is not None else None    # half weights too (model.half())
-        bias = self.bias.float() if self.bias is not None else None
-        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+        x32 = upcast(x)
+        weight = self.weight.to(x32.dtype) if self.weight is not None else None    # half weights too (model.half())
+        bias = self.bias.to(x32.dtype) if self.bias is not None else None
+        return F.layer_norm(x32, self.normalized_shape, weight, bias, self.eps).to(x.dtype)

@@ -72,7 +72,8 @@ RULES: list[Rule] = [
     Rule(lambda c: c.attention.normalize == "topk" and c.attention.topk is None,
          "top-k attention needs attn_sparse_topk=k"),
     Rule(lambda c: c.attention.normalize == "entmax15" and importlib.util.find_spec("entmax") is None,
-         "attn_use_entmax15=True needs the optional package 'entmax' (pip install polyformer[entmax])"),
+         "attn_use_entmax15=True needs the package 'entmax', a dependency of polyformer missing here "
+         "(pip install entmax)"),
     Rule(lambda c: c.attention.alibi_num_heads is not None and c.attention.bias != "alibi",
          "alibi_num_heads is set but alibi_pos_emb is not True"),
     Rule(lambda c: c.attention.alibi_num_heads is not None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..precision import upcast
+
 
 def fill_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
     if mask is None:
@@ -20,7 +22,7 @@ def zero_masked(weights: Tensor, mask: Tensor | None) -> Tensor:
 class Softmax(nn.Module):
     fusable = True      # scaled_dot_product_attention computes exactly this
     def forward(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        weights = fill_masked(scores.float(), mask).softmax(dim=-1)
+        weights = fill_masked(upcast(scores), mask).softmax(dim=-1)
         return zero_masked(weights, mask).to(scores.dtype)
 
 
@@ -32,7 +34,7 @@ class TopK(nn.Module):
         self.k = k
 
     def forward(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        s = fill_masked(scores.float(), mask)
+        s = fill_masked(upcast(scores), mask)
         if self.k < s.shape[-1]:
             kth = s.topk(self.k, dim=-1).values[..., -1:]
             keep = s >= kth
@@ -49,5 +51,5 @@ class Entmax15(nn.Module):
 
         if scores.shape[-1] == 0:          # no keys at all (an empty context): entmax cannot reduce over them
             return scores
-        weights = entmax15(fill_masked(scores.float(), mask), dim=-1)
+        weights = entmax15(fill_masked(upcast(scores), mask), dim=-1)
         return zero_masked(weights, mask).to(scores.dtype)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..precision import upcast
+
 
 def rotary_angles(pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """(b|1, n) positions -> cos and sin of the angles, each (b|1, 1, n, r/2), in float32."""
@@ -15,12 +17,13 @@ def rotary_angles(pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def apply_rotary(x: Tensor, angles: tuple[Tensor, Tensor], interleaved: bool = False) -> Tensor:
-    """Rotate the first 2 * r/2 features of x (b, h, n, d) in pairs by angles given as (cos, sin), in float32.
+    """Rotate the first 2 * r/2 features of x (b, h, n, d) in pairs by angles given as (cos, sin), in
+    at least float32.
 
     interleaved=False pairs feature i with i + r/2 (GPT-NeoX, Llama); True pairs (2i, 2i+1) (RoFormer).
     """
     r = angles[0].shape[-1] * 2
-    rot, rest = x[..., :r].float(), x[..., r:]
+    rot, rest = upcast(x[..., :r]), x[..., r:]
     cos, sin = angles
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]

@@ -7,12 +7,15 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..precision import upcast
 
-def sinusoidal(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
-    """(b|1, n) positions -> (b|1, n, dim): [sin(p w_i), cos(p w_i)] with w_i = base^(-2i/dim)."""
+
+def sinusoidal(pos: Tensor, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(b|1, n) positions -> (b|1, n, dim): [sin(p w_i), cos(p w_i)] with w_i = base^(-2i/dim),
+    computed in `dtype`."""
     half = dim // 2
-    freq = torch.exp(-math.log(base) * torch.arange(half, device=pos.device, dtype=torch.float32) / half)
-    angles = pos.float()[..., None] * freq
+    freq = torch.exp(-math.log(base) * torch.arange(half, device=pos.device, dtype=dtype) / half)
+    angles = pos.to(dtype)[..., None] * freq
     emb = torch.cat((angles.sin(), angles.cos()), dim=-1)
     if dim % 2:
         emb = torch.nn.functional.pad(emb, (0, 1))
@@ -28,4 +31,4 @@ class PositionInfusion(nn.Module):
         self.dim = dim
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        return x + sinusoidal(pos, self.dim).to(x.dtype)
+        return x + sinusoidal(pos, self.dim, dtype=upcast(x).dtype).to(x.dtype)

@@ -6,27 +6,36 @@ import argparse
 import sys
 import warnings
 
+from ..keywords import closest
 from .settings import PRESETS
 
 
-def overrides(extra: list[str]) -> list[tuple[str, str]]:
+def overrides(extra: list[str], flags: list[str] | None = None) -> list[tuple[str, str]]:
     """['--model.depth', '4', '--train.bf16=true'] -> [('model.depth', '4'), ('train.bf16', 'true')];
-    a dotted flag with no value means true. Anything else is an unknown flag."""
+    a dotted flag with no value means true, one with several values is their comma list
+    (`--data.paths a.txt b.txt`). Anything else is an unknown flag, named with the closest of
+    `flags` (the command's own flags)."""
     pairs, i = [], 0
     while i < len(extra):
         arg = extra[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise SystemExit(f"polyformer: unknown flag {arg!r} (settings are given as --section.key VALUE, "
+            hint = closest(arg.split("=")[0], flags) if flags and arg.startswith("-") else ""
+            raise SystemExit(f"polyformer: unknown flag {arg!r}{hint} (settings are given as --section.key VALUE, "
                              "e.g. --model.depth 4)")
         name, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-                value, i = extra[i + 1], i + 1
-            else:
-                value = "true"
+            values = []
+            while i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                values.append(extra[i + 1])
+                i += 1
+            value = ",".join(values) if values else "true"
         pairs.append((name, value))
         i += 1
     return pairs
+
+
+def flags_of(command: argparse.ArgumentParser) -> list[str]:
+    return [f for action in command._actions for f in action.option_strings if f.startswith("--")]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -87,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
 
         demo(argv[1:])
         return 0
-    args, extra = parser().parse_known_args(argv)
+    top = parser()
+    args, extra = top.parse_known_args(argv)
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
+    own = flags_of(commands[args.command])
     if args.command == "train":
         from .trainer import train
 
-        pairs = overrides(extra)
+        pairs = overrides(extra, own)
         if args.steps is not None:
             pairs.append(("train.steps", str(args.steps)))
         if args.fsdp:
@@ -101,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         from .convert import from_hf_dir, to_hf_dir
 
         if args.from_hf is not None:
-            return from_hf_dir(args.from_hf, args.out, args.ignore, overrides(extra))
+            return from_hf_dir(args.from_hf, args.out, args.ignore, overrides(extra, own))
         if extra or args.ignore:
             raise SystemExit(f"polyformer convert --to-hf: unknown flag(s) {extra + ['--ignore'] * bool(args.ignore)}")
         return to_hf_dir(args.to_hf, args.out)
     if extra:
-        raise SystemExit(f"polyformer {args.command}: unknown flag(s) {extra}")
+        hint = closest(extra[0].split("=")[0], own) if extra[0].startswith("-") else ""
+        raise SystemExit(f"polyformer {args.command}: unknown flag(s) {extra}{hint}")
     if args.command == "generate":
         from .trainer import generate
 

@@ -154,6 +154,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--model.dpth", "3"], "model.depth"),
     (["--bogus"], "--bogus"),
+    (["--stpes", "3"], "did you mean '--steps'"),
     (["--train.steps", "many"], "train.steps"),
     (["--train.objective", "gan"], "train.objective"),
     (["--data.paths", "/no/such/file.txt"], "/no/such/file.txt"),
@@ -163,6 +164,20 @@ def test_bad_settings_exit_nonzero_naming_them(tmp_path, args, message):
     assert done.returncode != 0
     assert message in done.stderr + done.stdout
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_flag_typo_in_generate_and_eval_names_the_flag_meant(tmp_path):
+    for command, typo, meant in (("generate", "--temprature", "--temperature"), ("eval", "--batchs", "--batches")):
+        done = polyformer(command, "--run", str(tmp_path), typo, "2")
+        assert done.returncode != 0 and f"did you mean {meant!r}" in done.stderr
+
+
+def test_several_paths_after_one_flag_are_one_list(tmp_path):
+    from polyformer.train.cli import overrides
+    from polyformer.train.settings import resolve
+
+    settings = resolve("tiny", None, overrides(["--data.paths", "a.txt", "b dir", "--model.depth", "3"]))
+    assert settings.data.paths == ["a.txt", "b dir"] and settings.model.depth == 3
 
 
 def test_resume_with_nothing_and_an_existing_run_are_refused(tmp_path):

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ...autodiff import needs_reference
 from ...interfaces import KV, AttnOut, KernelCaps
+from ...precision import upcast
 from . import cpu
 
 
@@ -85,14 +86,14 @@ class DenseKernel(nn.Module):
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
                   causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut:
-        # scores and weights in float32 (autocast off): a half-precision q.k overflows to inf and the
-        # softmax turns it into NaN, where the fused kernel accumulates in float32
+        # scores and weights in at least float32 (autocast off): a half-precision q.k overflows to inf
+        # and the softmax turns it into NaN, where the fused kernel accumulates in float32
         with torch.autocast(q.device.type, enabled=False):
-            scores = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * self.scale
+            scores = torch.einsum("bhid,bhjd->bhij", upcast(q), upcast(k)) * self.scale
             if bias is not None:
-                scores = scores + bias.float()
+                scores = scores + bias.to(scores.dtype)
             if prev_scores is not None:
-                scores = scores + prev_scores.float()
+                scores = scores + prev_scores.to(scores.dtype)
             if self.pre_mix is not None:
                 scores = self.pre_mix(scores)
             if causal:
