@@ -24,6 +24,7 @@ from .. import checks
 from ..build import model_config
 from ..interfaces import KV
 from ..memory.kv_cache import DecodeState
+from ..train.files import save_tensors
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper
 
@@ -132,7 +133,7 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
     # a fresh name in the same directory: os.replace is atomic only within one file system
     tmp = str(path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_tensors(tensors, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:             # on disk before it takes the name
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import to_dict
-from ..train.files import write_dir_atomic
+from ..train.files import save_tensors, write_dir_atomic
 from ..wrappers import TransformerWrapper
 from .families import FAMILIES
 from .family import Family, Unsupported
@@ -141,14 +141,12 @@ def save_hf(model: TransformerWrapper, directory: str | os.PathLike, *, tokenize
 
     The directory is written under a temporary name and renamed into place, so it is complete or
     absent; an existing non-empty directory is refused (FileExistsError)."""
-    from safetensors.torch import save_file
-
     family, hf_config = describe(model)
     tensors = hf_state_dict(model, family, hf_config, with_tied=False)
     text = json.dumps(_config_dict(model, family, hf_config, **config), indent=2, sort_keys=True) + "\n"
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(text, encoding="utf-8")
         if tokenizer_json is not None:
             (tmp / TOKENIZER).write_text(tokenizer_json, encoding="utf-8")

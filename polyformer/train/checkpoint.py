@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .files import fsync_dir, sha256_file
+from .files import fsync_dir, save_tensors, sha256_file
 from .rng import restore_rng, rng_state
 
 try:
@@ -175,7 +175,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
     old = root / f".old-{final.name}-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "polyformer.checkpoint",
+        save_tensors(tensors, tmp / WEIGHTS, metadata={"format": "polyformer.checkpoint",
                                                          "version": str(CHECKPOINT_FORMAT),
                                                          "aliases": json.dumps(aliases, sort_keys=True)})
         with open(tmp / WEIGHTS, "rb+") as f:

@@ -24,6 +24,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def usual_mode() -> int:
+    """The mode an ordinary new file gets here: 0o666 less the process's umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, leaving the file with the usual permissions (it creates it 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, usual_mode())
+
+
 def replace_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(file)` on a temporary file beside `path`, fsync it, then rename it onto `path`."""
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from polyformer.generate import prompt_cache
 from polyformer.generate.decode import AutoregressiveWrapper, left_padded_positions
 from polyformer.generate.prompt_cache import load_prompt_cache, next_token_logits, save_prompt_cache
 from tests.helpers import ids, tiny_lm
@@ -187,7 +186,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(prompt_cache, "save_file", half_written)
+    monkeypatch.setattr("safetensors.torch.save_file", half_written)   # what save_tensors calls
     path = tmp_path / "seed.safetensors"
     with pytest.raises(OSError, match="disk full"):
         save_prompt_cache(path, net, state, prompt)
@@ -195,7 +194,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.undo()
     save_prompt_cache(path, net, state, prompt)            # an existing cache survives a failed overwrite
     before = path.read_bytes()
-    monkeypatch.setattr(prompt_cache, "save_file", half_written)
+    monkeypatch.setattr("safetensors.torch.save_file", half_written)   # what save_tensors calls
     with pytest.raises(OSError):
         save_prompt_cache(path, net, state, prompt)
     assert os.listdir(tmp_path) == ["seed.safetensors"] and path.read_bytes() == before

@@ -113,6 +113,20 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert info == {"step": 2, "data_state": {"position": 34}, "extra": {"note": "x"}, "path": path}
 
 
+def test_every_file_of_a_checkpoint_has_the_usual_permissions(tmp_path):
+    """safetensors creates its files 0600; a checkpoint's files are ordinary files (0666 less umask)."""
+    import os
+    import stat
+
+    from polyformer.train.files import usual_mode
+
+    model = tiny()
+    opt, sched = optimizer_and_scheduler(model)
+    path = save_checkpoint(tmp_path, 1, model, opt, sched)
+    modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in path.iterdir()}
+    assert modes and set(modes.values()) == {usual_mode()}, modes
+
+
 def test_restore_rng_alone():
     state = rng_state()
     a = torch.rand(3), random.random(), np.random.rand()
