@@ -48,7 +48,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             layers=dict(rotary_pos_emb=True, attn_use_entmax15=True), tasks=()),
     # --- positions ---------------------------------------------------------------------------
     Variant("abs_learned", "learned absolute positions (one vector per position)", "arXiv:1706.03762",
-            wrapper=dict(use_abs_pos_emb=True), tasks=POSITIONS),
+            wrapper=dict(use_abs_pos_emb=True), tasks=POSITIONS + ("mqar",)),   # Zoology's models have them
     Variant("sinusoidal", "fixed sinusoidal absolute positions, scaled by a learned scalar",
             "arXiv:1706.03762", wrapper=dict(scaled_sinu_pos_emb=True), tasks=POSITIONS),
     Variant("rotary", "rotary position embedding on q and k", "arXiv:2104.09864",

@@ -155,9 +155,12 @@ def markdown(record: dict[str, Any]) -> str:
     for k in live:
         for depth in depths:
             cells = [rows[k]["results"].get(depth, {}).get(n, {"status": "–"}) for n in lengths]
-            absolute.append([k, depth] + [f"{rec.fmt(c['seconds'], 3)} s · {rec.mib(c['peak_mib'])} MiB"
-                                          if c["status"] == "ok" else short(c["status"]) for c in cells])
-    text.append("## Seconds per step and peak MiB\n\n" + markdown_table(["variant", "layers"] + lengths, absolute))
+            params = rows[k].get("parameters", {}).get(depth)
+            absolute.append([k, depth, f"{params:,}" if params is not None else "–"]
+                            + [f"{rec.fmt(c['seconds'], 3)} s · {rec.mib(c['peak_mib'])} MiB"
+                               if c["status"] == "ok" else short(c["status"]) for c in cells])
+    text.append("## Seconds per step and peak MiB\n\n"
+                + markdown_table(["variant", "layers", "params"] + lengths, absolute))
     return "\n\n".join(text)
 
 
