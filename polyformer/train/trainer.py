@@ -273,6 +273,12 @@ def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metr
 
 def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
     """A trained run's settings and its model with the newest good checkpoint, in eval mode."""
+    settings, model, _ = load_checkpointed(run_dir)
+    return settings, model
+
+
+def load_checkpointed(run_dir: str) -> tuple[RunSettings, nn.Module, Path]:
+    """`load_model`, and the checkpoint directory the weights came from."""
     path = Path(run_dir)
     config = load_run_config(path)
     settings = from_dict(config["train"]["settings"])
@@ -282,8 +288,9 @@ def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
                          f"{origin.get('directory')!r}, which has no tokenizer.json, so it cannot read a prompt or a "
                          "corpus: put the model's tokenizer.json beside its config.json and convert again")
     model = model_from_run(path)
-    load_checkpoint(resume_checkpoint(path), model, rng=False)
-    return settings, model.eval()
+    checkpoint = resume_checkpoint(path)
+    load_checkpoint(checkpoint, model, rng=False)
+    return settings, model.eval(), Path(checkpoint)
 
 
 def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
@@ -293,9 +300,12 @@ def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
 
 
 def evaluate_run(run_dir: str, batches: int | None = None) -> int:
-    settings, model, data = load_run(run_dir)
+    """`polyformer eval`: the scores on stdout, the checkpoint they are of on stderr."""
+    settings, model, checkpoint = load_checkpointed(run_dir)
+    data = load_data(settings, Path(run_dir), fresh=False)
     objective = build_objective(settings, data, 0, 1)
     result = evaluate(model, objective, settings, data, batches)
+    print(f"polyformer eval: scored {checkpoint}", file=sys.stderr)
     print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return 0
 

@@ -72,6 +72,7 @@ def test_train_generate_eval(tmp_path):
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
     evaluated = polyformer("eval", "--run", str(run))
     assert evaluated.returncode == 0, evaluated.stderr
+    assert f"scored {run / 'checkpoints' / 'step-000040'}" in evaluated.stderr      # which weights were scored
     values = dict(zip(evaluated.stdout.split()[0::2], map(float, evaluated.stdout.split()[1::2])))
     assert abs(values["perplexity"] - 2.718281828 ** values["loss"]) < 1e-2 * values["perplexity"]
     assert abs(values["bits_per_byte"] - values["loss"] / 0.693147) < 1e-3   # byte-level: tokens are bytes
