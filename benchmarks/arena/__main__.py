@@ -19,11 +19,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common_cli import describe
 from .harness import Budget
 from .record import DEFAULT_DIR
 from .tasks import task
-from .variants import TASK_NAMES, for_task, variant
+from .variants import TASK_NAMES, VARIANTS, for_task, variant
+
+
+def describe() -> str:
+    lines = ["tasks:"]
+    for name in TASK_NAMES:
+        module = task(name)
+        budget = f" (budget {module.DEFAULT_BUDGET})" if module.DEFAULT_BUDGET else ""
+        lines.append(f"  {name:<14} {module.DESCRIPTION}{budget}")
+        lines.append(f"  {'':<14} variants: {', '.join(for_task(name)) or '-'}")
+    lines.append("variants:")
+    for name, v in VARIANTS.items():
+        keywords = ", ".join(f"{k}={val!r}" for k, val in {**v.layers, **v.wrapper}.items()) or "defaults"
+        env = "".join(f" [{k}={val}]" for k, val in v.env.items())
+        lines.append(f"  {name:<14} {v.summary} ({v.paper}); {keywords}{env}")
+    return "\n".join(lines)
 
 
 def setting(text: str) -> tuple[str, Any]:

@@ -26,18 +26,14 @@ from .variants import Variant
 # --- models -----------------------------------------------------------------------------------
 
 def build_model(v: Variant, *, num_tokens: int, max_seq_len: int, dim: int, depth: int, heads: int,
-                causal: bool, seed: int, wrapper: dict[str, Any] | None = None) -> nn.Module:
+                causal: bool, seed: int) -> nn.Module:
     """A TransformerWrapper over a Decoder (causal) or Encoder with the variant's keywords, weights
-    drawn from `seed`; `wrapper` adds task keywords (the variant's own win on a clash)."""
-    from polyformer import Decoder, Encoder, TransformerWrapper
+    drawn from `seed`."""
+    from polyformer import TransformerWrapper
 
-    if v.causal_only and not causal:
-        raise ValueError(f"variant {v.name!r} needs a causal (Decoder) task")
-    torch.manual_seed(seed)
-    stack = (Decoder if causal else Encoder)(dim=dim, depth=depth, heads=heads, attn_dim_head=dim // heads,
-                                             **v.layers)
+    stack = build_layers(v, dim=dim, depth=depth, heads=heads, causal=causal, seed=seed)
     return TransformerWrapper(num_tokens=num_tokens, max_seq_len=max_seq_len, attn_layers=stack,
-                              **{**(wrapper or {}), **v.wrapper})
+                              **v.wrapper)
 
 
 def build_layers(v: Variant, *, dim: int, depth: int, heads: int, causal: bool, seed: int) -> nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..common import environment, log
 
@@ -49,6 +49,15 @@ def merge(out_dir: Path, task: str, settings: dict[str, Any], rows: dict[str, An
             log(f"{task}: settings differ from the record in {out_dir}; its old rows are dropped")
         merged = rows
     return {"task": task, "settings": settings, "environment": env, "rows": merged}
+
+
+def save(out_dir: Path, task: str, settings: dict[str, Any], rows: dict[str, Any],
+         markdown: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], list[str]],
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge `rows` into the task's record (with `extra` facts of the run), plot and write it."""
+    rec = {**merge(out_dir, task, settings, rows), **(extra or {})}
+    write(out_dir, rec, markdown(rec), plot(rec, out_dir) if rec["rows"] else [])
+    return rec
 
 
 def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str]) -> Path:

@@ -176,8 +176,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
     tmp.mkdir()
     try:
         save_tensors(tensors, tmp / WEIGHTS, metadata={"format": "polyformer.checkpoint",
-                                                         "version": str(CHECKPOINT_FORMAT),
-                                                         "aliases": json.dumps(aliases, sort_keys=True)})
+                                                       "version": str(CHECKPOINT_FORMAT),
+                                                       "aliases": json.dumps(aliases, sort_keys=True)})
         with open(tmp / WEIGHTS, "rb+") as f:
             os.fsync(f.fileno())
         with open(tmp / STATE, "wb") as f:

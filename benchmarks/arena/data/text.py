@@ -20,23 +20,29 @@ def corpus_split() -> tuple[Corpus, Corpus]:
     return load_corpus().split()
 
 
-def as_tokens(corpus: Corpus) -> Tensor:
-    return corpus.tokens()
+@lru_cache(maxsize=1)
+def split_tokens() -> tuple[Tensor, Tensor]:
+    """(train, validation) of the built-in corpus as byte tokens, made once per process."""
+    train, val = corpus_split()
+    return train.tokens(), val.tokens()
+
+
+def slices(data: Tensor, starts: Tensor, length: int) -> Tensor:
+    """(len(starts), length): data[s:s + length] for every start, in one indexing op."""
+    return data[starts[:, None] + torch.arange(length)]
 
 
 def windows(data: Tensor, batch: int, length: int, seed: int) -> Tensor:
     """(batch, length) windows of `data` at random offsets drawn from `seed` alone."""
     g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(data) - length, (batch,), generator=g)
-    return torch.stack([data[s:s + length] for s in starts.tolist()])
+    return slices(data, torch.randint(0, len(data) - length, (batch,), generator=g), length)
 
 
 def spaced_windows(data: Tensor, count: int, length: int) -> Tensor:
     """(count, length) windows starting at evenly spaced offsets of `data` (evaluation)."""
     if len(data) < length + count:
         raise ValueError(f"the text ({len(data)} tokens) is too short for {count} windows of {length}")
-    step = (len(data) - length) // count
-    return torch.stack([data[i * step:i * step + length] for i in range(count)])
+    return slices(data, torch.arange(count) * ((len(data) - length) // count), length)
 
 
 def longest_files(corpus: Corpus, count: int) -> list[tuple[str, Tensor]]:

@@ -47,7 +47,7 @@ def position_losses(model: torch.nn.Module, windows: torch.Tensor, batch: int) -
 
 
 def run_variant(v: Variant, s: dict[str, Any], budget: Budget, log: Callable[[str], None]) -> dict[str, Any]:
-    train_data, val = (text.as_tokens(c) for c in text.corpus_split())
+    train_data, val = text.split_tokens()
     n = s["train_len"]
     model = build_model(v, num_tokens=text.VOCAB, max_seq_len=n, dim=s["dim"], depth=s["depth"],
                         heads=s["heads"], causal=True, seed=s["seed"])
@@ -132,7 +132,4 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     budget = budget or Budget.parse("2k" if quick else DEFAULT_BUDGET)
     s = settings(quick, budget, seed, changes)
     rows = run_rows("extrapolation", variants, lambda v: run_variant(v, s, budget, log), log)
-    rec = record.merge(out_dir, "extrapolation", s, rows)
-    plots = plot(rec, out_dir) if rec["rows"] else []
-    record.write(out_dir, rec, markdown(rec), plots)
-    return rec
+    return record.save(out_dir, "extrapolation", s, rows, markdown, plot)

@@ -10,6 +10,7 @@ variant and the vanilla transformer at 2k tokens; the task needs hierarchical lo
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,12 +76,15 @@ def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_set: list, 
     encoder = build_model(v, num_tokens=len(listops.VOCAB), max_seq_len=s["max_len"], dim=s["dim"],
                           depth=s["depth"], heads=s["heads"], causal=False, seed=s["seed"])
     model = Classifier(encoder, s["dim"], listops.NUM_CLASSES)
-    groups = batches_by_length(train_set, s["batch"], s["seed"])
+    @lru_cache(maxsize=1)
+    def groups(epoch: int) -> list[list[int]]:  # a fresh batch order each epoch, the same for every variant
+        return batches_by_length(train_set, s["batch"], s["seed"] if epoch == 0 else s["seed"] * 7919 + epoch)
+
+    per_epoch = len(groups(0))
 
     def step_loss(step: int) -> tuple[Tensor, int]:
-        epoch, i = divmod(step, len(groups))
-        order = groups if not epoch else batches_by_length(train_set, s["batch"], s["seed"] * 7919 + epoch)
-        ids, mask, labels = listops.batch([train_set[j] for j in order[i]])
+        epoch, i = divmod(step, per_epoch)
+        ids, mask, labels = listops.batch([train_set[j] for j in groups(epoch)[i]])
         return F.cross_entropy(model(ids, mask), labels), int(mask.sum())
 
     trained = train(model, step_loss, budget, Optimiser(lr=s["lr"]), log=log, log_every=50)
@@ -130,7 +134,5 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     test_set = listops.generate(s["test_examples"], seed + 1, **shape)
     labels = torch.tensor([label for _, label in test_set])
     rows = run_rows("listops", variants, lambda v: run_variant(v, s, budget, train_set, test_set, log), log)
-    rec = record.merge(out_dir, "listops", s, rows)
-    rec["majority"] = float(torch.bincount(labels, minlength=listops.NUM_CLASSES).max()) / len(labels)
-    record.write(out_dir, rec, markdown(rec), plot(rec, out_dir))
-    return rec
+    majority = float(torch.bincount(labels, minlength=listops.NUM_CLASSES).max()) / len(labels)
+    return record.save(out_dir, "listops", s, rows, markdown, plot, extra={"majority": majority})

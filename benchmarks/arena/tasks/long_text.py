@@ -93,8 +93,7 @@ def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_text: Tenso
     offsets = torch.arange(s["batch"]) * span
 
     def step_loss(step: int) -> tuple[Tensor, int]:
-        starts = (offsets + step * n) % (len(train_text) - n - 1)
-        seg = torch.stack([train_text[a:a + n + 1] for a in starts.tolist()])
+        seg = text.slices(train_text, (offsets + step * n) % (len(train_text) - n - 1), n + 1)
         return F.cross_entropy(read(seg[:, :-1]).transpose(1, 2), seg[:, 1:]), seg[:, 1:].numel()
 
     trained = train(model, step_loss, budget, Optimiser(lr=s["lr"]), log=log)
@@ -150,6 +149,4 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     s = settings(quick, budget, seed, changes)
     train_text, eval_streams = documents(s)
     rows = run_rows("long_text", variants, lambda v: run_variant(v, s, budget, train_text, eval_streams, log), log)
-    rec = record.merge(out_dir, "long_text", s, rows)
-    record.write(out_dir, rec, markdown(rec), plot(rec, out_dir))
-    return rec
+    return record.save(out_dir, "long_text", s, rows, markdown, plot)

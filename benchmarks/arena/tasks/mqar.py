@@ -8,6 +8,7 @@ per width on the same examples in the same order, and is scored on the same held
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,15 +55,16 @@ def run_width(v: Variant, s: dict[str, Any], width: int, budget: Budget, data: t
     train_x, train_y, test_x, test_y = data
     model = build_model(v, num_tokens=s["vocab"], max_seq_len=s["seq_len"], dim=width, depth=s["depth"],
                         heads=s["heads"], causal=True, seed=s["seed"])
-    order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(s["seed"]))
     per_epoch = len(train_x) // s["batch"]
+
+    @lru_cache(maxsize=1)
+    def order(epoch: int) -> torch.Tensor:      # a fresh order each epoch, the same for every variant
+        seed = s["seed"] if epoch == 0 else s["seed"] * 7919 + epoch
+        return torch.randperm(len(train_x), generator=torch.Generator().manual_seed(seed))
 
     def step_loss(step: int) -> tuple[torch.Tensor, int]:
         epoch, i = divmod(step, per_epoch)
-        pick = order[i * s["batch"]:(i + 1) * s["batch"]]
-        if epoch:                               # a fresh order each epoch, the same for every variant
-            g = torch.Generator().manual_seed(s["seed"] * 7919 + epoch)
-            pick = torch.randperm(len(train_x), generator=g)[i * s["batch"]:(i + 1) * s["batch"]]
+        pick = order(epoch)[i * s["batch"]:(i + 1) * s["batch"]]
         x, y = train_x[pick], train_y[pick]
         logits = model(x)
         return F.cross_entropy(logits.transpose(1, 2), y, ignore_index=-100), x.numel()
@@ -130,6 +132,4 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     data = (*mqar.generate(s["train_examples"], seed, **shape), *mqar.generate(s["test_examples"], seed + 1, **shape))
     rows = run_rows("mqar", variants,
                     lambda v: {"widths": {str(w): run_width(v, s, w, budget, data, log) for w in s["widths"]}}, log)
-    rec = record.merge(out_dir, "mqar", s, rows)
-    record.write(out_dir, rec, markdown(rec), plot(rec, out_dir))
-    return rec
+    return record.save(out_dir, "mqar", s, rows, markdown, plot)
