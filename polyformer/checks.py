@@ -142,6 +142,17 @@ def decode_state(stack: "AttentionLayers", state: "DecodeState", x: Tensor, mems
                          f"x adds {x.shape[1]}")
 
 
+def global_mask(stack: "AttentionLayers", mask: object, x: Tensor) -> None:
+    """global_mask (b, n) bool marks global tokens of an Encoder with an attention pattern."""
+    if not stack.cfg.attention.pattern or any(c.name == "dilated" for c in stack.cfg.attention.pattern):
+        raise ValueError("global_mask marks global tokens of an attention pattern; the stack has none that takes "
+                         "them (set attn_window, attn_sparse, ... ; attn_dilated takes none)")
+    if stack.causal:
+        raise ValueError("global_mask makes tokens see every key, which a Decoder cannot apply; use "
+                         "attn_global_tokens (the first positions, kept causal)")
+    bool_mask("global_mask", mask, tuple(x.shape[:2]), "(batch, seq)")
+
+
 def prefix_len(value: object, b: int, n: int, causal: bool) -> Tensor:
     """prefix_len as a (b,) long tensor in [0, n]."""
     if not causal:

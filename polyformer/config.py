@@ -15,6 +15,17 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Choice:
+    """A stage's variant by name with its own options, a frozen dataclass beside its code (e.g.
+    `Choice("pattern", "window", WindowOptions(size=256))`). The stage config holds choices, not a
+    field per knob; JSON: {"stage", "name", "options"}, the options class found in the registry."""
+
+    stage: str
+    name: str
+    options: Any = None
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     heads: int = 8
     dim_head: int = 64
@@ -42,6 +53,7 @@ class AttentionConfig:
     qkv_bias: bool = False              # biases on the q, k, v projections (GPT-2, BERT)
     out_bias: bool = False              # a bias on the output projection (GPT-2, BERT)
     kernel: str = "dense"               # registry.KERNEL
+    pattern: tuple[Choice, ...] = ()    # which keys each query sees: pieces from registry.PATTERN
     fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
 
 
@@ -113,9 +125,26 @@ def from_dict(cls: type, data: dict) -> Any:
     return cls(**kwargs)
 
 
+def _choice(data: dict) -> Choice:
+    from .registry import entry      # the registry imports the stages, which import this module
+
+    options = entry(data["stage"], data["name"]).options
+    value = data.get("options")
+    return Choice(data["stage"], data["name"], from_dict(options, value) if options and value is not None else value)
+
+
+def _tuple(hint: Any, value: list) -> tuple:
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_revive(args[0], v) for v in value)
+    return tuple(value)
+
+
 def _revive(hint: Any, value: Any) -> Any:
     if value is None:
         return None
+    if hint is Choice:
+        return _choice(value)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value)
     origin = typing.get_origin(hint)
@@ -124,12 +153,12 @@ def _revive(hint: Any, value: Any) -> Any:
             if arg is type(None):
                 continue
             if typing.get_origin(arg) is tuple and isinstance(value, list):
-                return tuple(value)
+                return _tuple(arg, value)
             if dataclasses.is_dataclass(arg) and isinstance(value, dict):
                 return from_dict(arg, value)
         return value
     if origin is tuple and isinstance(value, list):
-        return tuple(value)
+        return _tuple(hint, value)
     return value
 
 

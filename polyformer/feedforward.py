@@ -43,7 +43,7 @@ class FeedForward(nn.Module):
         inner = int(dim * cfg.mult)
         self.glu = cfg.glu
         self.proj_in = nn.Linear(dim, inner * (2 if cfg.glu else 1), bias=cfg.bias)
-        self.act = ACTIVATION[cfg.activation]()
+        self.act = ACTIVATION[cfg.activation].build()
         self.dropout = nn.Dropout(cfg.dropout)
         self.proj_out = nn.Linear(inner, dim_out or dim, bias=cfg.bias)
 

@@ -43,10 +43,19 @@ class AttnOut:
 
 
 @dataclass(frozen=True)
-class KernelCaps:
-    exact: bool                 # equals the dense reference on the same pattern
-    bias: bool                  # can take an additive score bias
-    fused: bool                 # may run on scaled_dot_product_attention
+class Caps:
+    """What a kernel or pattern can do, declared (registry entries carry one; tests and the
+    compatibility matrix read it, nothing infers it)."""
+
+    exact: bool                         # equals the dense reference on the same pattern
+    bias: bool = True                   # can take an additive score bias
+    fused: bool = False                 # a fused path (SDPA, our CPU kernel, the block-sparse kernel)
+    causal: bool = True                 # can run in a causal stack
+    bidirectional: bool = True          # can run in a bidirectional stack
+    padding: bool = True                # takes a key padding mask
+    decode: str = "keys"                # what a decode state keeps: "keys" (every key), "window"
+                                        # (the last keys a window can still show, plus sinks)
+    tolerance: float | None = None      # approximate ones: the error bound their tests hold
 
 
 @dataclass
@@ -61,6 +70,7 @@ class Context:
     mems: list[Tensor] | None = None        # per self-attention layer (b, m_l, dim), XL memories
     mem_masks: list[Tensor | None] | None = None
     need_weights: bool = False
+    global_mask: Tensor | None = None       # (b, n) bool: tokens an attention pattern makes global
     prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at positions in [start, end), (b, 1) each, seen by all
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
@@ -80,7 +90,7 @@ class Normalizer(Protocol):
 
 
 class Kernel(Protocol):
-    caps: KernelCaps
+    caps: Caps
 
     def __call__(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
                  causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut: ...

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import AttentionConfig, FeedForwardConfig, LayersConfig
+from .config import AttentionConfig, Choice, FeedForwardConfig, LayersConfig
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,33 @@ def _llama3(arg: Any) -> tuple[float, float, float, float] | None:
     if not isinstance(arg, dict) or set(arg) != set(LLAMA3_KEYS):
         raise TypeError(f"expected a dict with exactly the keys {list(LLAMA3_KEYS)}, got {arg!r}")
     return tuple(float(arg[k]) for k in LLAMA3_KEYS)
+
+
+def _ints(arg: Any) -> int | tuple[int, ...]:
+    """An integer, or a sequence of them (one per head)."""
+    if isinstance(arg, (list, tuple)):
+        return tuple(arg)
+    return arg
+
+
+def _pairs(arg: Any) -> Any:
+    """((w1, r1), (w2, r2), ...) from any nesting of lists / tuples."""
+    if isinstance(arg, (list, tuple)):
+        return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in arg)
+    return arg
+
+
+def _block_local(arg: Any) -> dict[str, Any]:
+    if not isinstance(arg, (list, tuple)) or len(arg) != 2:
+        raise TypeError(f"expected (query_block, memory), got {arg!r}")
+    return {"query_block": arg[0], "memory": arg[1]}
+
+
+def _local_2d(arg: Any) -> dict[str, Any]:
+    keys = {"image", "query", "memory"}
+    if not isinstance(arg, dict) or not {"image", "query"} <= set(arg) <= keys:
+        raise TypeError(f"expected dict(image=(H, W), query=(qh, qw), memory=(mh, mw)), got {arg!r}")
+    return {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in arg.items()}
 
 
 def _layout(arg: Any) -> tuple[str, ...] | None:
@@ -121,6 +148,22 @@ KEYWORDS: dict[str, Route] = {
     "attn_flash": Route("attention.fused"),
     "attn_qkv_bias": flag(attention__qkv_bias=True),
     "attn_out_bias": flag(attention__out_bias=True),
+    # sparse attention patterns (attention/patterns/): each writes its piece's options
+    "attn_window": Route("attention.pattern.window.size"),
+    "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),
+    "attn_global_tokens": Route("attention.pattern.global.tokens"),
+    "attn_sink_tokens": Route("attention.pattern.sinks.tokens"),
+    "attn_random_blocks": Route("attention.pattern.random.blocks"),
+    "attn_block_size": Route("attention.pattern.random.block_size"),
+    "attn_random_seed": Route("attention.pattern.random.seed"),
+    "attn_sparse": Route("attention.pattern.sparse_transformer.kind"),
+    "attn_sparse_stride": Route("attention.pattern.sparse_transformer.stride"),
+    "attn_sparse_summary": Route("attention.pattern.sparse_transformer.summary"),
+    "attn_sparse_mode": Route("attention.pattern.sparse_transformer.mode"),
+    "attn_blockwise": Route("attention.pattern.blockwise.blocks"),
+    "attn_block_local": Route("attention.pattern.block_local", _block_local),
+    "attn_local_2d": Route("attention.pattern.local_2d", _local_2d),
+    "attn_dilated": Route("attention.pattern.dilated.segments", _pairs),
     # feedforward
     "ff_mult": Route("ff.mult"),
     "ff_glu": Route("ff.glu"),
@@ -169,17 +212,45 @@ def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> La
     values = {path: value for path, (_, value) in written.items()}
     if values.get("attention.normalize") is None and values.get("attention.topk") is not None:
         values["attention.normalize"] = "topk"
-    return _build(values)
+    try:
+        return _build(values, {path: name for path, (name, _) in written.items()})
+    except ValueError as err:
+        raise ValueError(f"{owner}: {err}") from None
 
 
-def _build(values: dict[str, Any]) -> LayersConfig:
+def _pattern(fields: dict[str, dict[str, Any]], keywords: dict[str, str]) -> tuple[Choice, ...]:
+    """The pattern pieces' choices, in the registry's order, from their options' fields."""
+    from .attention.patterns import KEYWORD
+    from .registry import PATTERN
+
+    choices = []
+    for name in PATTERN:
+        if name not in fields:
+            continue
+        try:
+            options = PATTERN[name].options(**fields[name])
+        except TypeError:
+            given = sorted({k for path, k in keywords.items() if path.startswith(f"attention.pattern.{name}")})
+            raise ValueError(f"{' / '.join(given)} need(s) {KEYWORD[name]}") from None
+        choices.append(Choice("pattern", name, options))
+    return tuple(choices)
+
+
+def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> LayersConfig:
     groups: dict[str, dict[str, Any]] = {"attention": {}, "ff": {}, "": {}}
+    pieces: dict[str, dict[str, Any]] = {}
     for path, value in values.items():
+        if path.startswith("attention.pattern."):
+            _, _, name, *field = path.split(".")
+            pieces.setdefault(name, {}).update({field[0]: value} if field else value)
+            continue
         head, _, tail = path.partition(".")
         if tail:
             groups[head][tail] = value
         else:
             groups[""][head] = value
+    if pieces:
+        groups["attention"]["pattern"] = _pattern(pieces, keywords or {})
     return LayersConfig(
         attention=AttentionConfig(**groups["attention"]),
         ff=FeedForwardConfig(**groups["ff"]),

@@ -1,29 +1,63 @@
-"""Name -> constructor, per stage. Configs hold the names; these tables resolve them."""
+"""Name -> entry, per stage: the only list of variants. An entry is the constructor, the options
+class a `config.Choice` of it carries (None for variants without options), and the declared
+capabilities. Configs hold the names; contract tests, the compatibility matrix, the fuzzer and the
+arena enumerate these tables."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch import nn
 
 from .attention.kernels.dense import DenseKernel
 from .attention.normalize import Entmax15, Softmax, TopK
+from .attention.patterns import PIECES
 from .feedforward import GeluTanh, ReluSquared
+from .interfaces import Caps
 from .norm import LayerNorm, RMSNorm, ScaleNorm
 from .position.bias import AlibiBias, T5Bias
 from .position.rotary import Rotary
 from .residual import Add, GRUGate, ReZero
 
-NORM = {"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None}
-RESIDUAL = {"add": Add, "rezero": ReZero, "gru": GRUGate}
-ACTIVATION = {"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
-              "swish": nn.SiLU}
-NORMALIZE = {"softmax": Softmax, "topk": TopK, "entmax15": Entmax15}
+
+@dataclass(frozen=True)
+class Entry:
+    build: Callable[..., Any] | None    # None: the stage is absent ("none")
+    options: type | None = None         # the frozen dataclass a Choice of this entry carries
+    caps: Caps | None = None
+
+
+def _plain(table: dict[str, Any]) -> dict[str, Entry]:
+    return {name: Entry(build) for name, build in table.items()}
+
+
+NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None})
+RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate})
+ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
+                     "swish": nn.SiLU})
+NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})
 # "infused" acts on the projection inputs (see attention/projection.py), the others on q and k
-POSITION = {"none": None, "rotary": Rotary, "infused": None}
-SCORE_BIAS = {"none": None, "t5": T5Bias, "alibi": AlibiBias}
-KERNEL = {"dense": DenseKernel}
+POSITION = _plain({"none": None, "rotary": Rotary, "infused": None})
+SCORE_BIAS = _plain({"none": None, "t5": T5Bias, "alibi": AlibiBias})
+KERNEL = {"dense": Entry(DenseKernel, caps=DenseKernel.caps)}
+# which keys each query sees (attention/patterns/): every piece is exact, its own rule
+PATTERN = {name: Entry(piece.build, piece.options, piece.caps) for name, piece in PIECES.items()}
+
+STAGES = {"norm": NORM, "residual": RESIDUAL, "activation": ACTIVATION, "normalize": NORMALIZE,
+          "position": POSITION, "bias": SCORE_BIAS, "kernel": KERNEL, "pattern": PATTERN}
 
 
 def names(stage: str) -> list[str]:
-    table = {"norm": NORM, "residual": RESIDUAL, "activation": ACTIVATION, "normalize": NORMALIZE,
-             "position": POSITION, "bias": SCORE_BIAS, "kernel": KERNEL}[stage]
-    return sorted(table)
+    return sorted(STAGES[stage])
+
+
+def entry(stage: str, name: str) -> Entry:
+    from .keywords import closest
+
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}{closest(stage, STAGES)}")
+    table = STAGES[stage]
+    if name not in table:
+        raise ValueError(f"unknown {stage} {name!r}{closest(name, table)}")
+    return table[name]

@@ -169,3 +169,14 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     for rule in RULES:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
+    if cfg.attention.pattern:
+        from .attention.patterns import problems
+
+        found = problems(cfg.attention.pattern, cfg.attention.heads, cfg.causal)
+        if cfg.only_cross:
+            from .attention.patterns import KEYWORD
+
+            named = " / ".join(KEYWORD[c.name] for c in cfg.attention.pattern)
+            found.append(f"{named} shape(s) self-attention; only_cross=True has none")
+        if found:
+            raise ValueError(f"{owner}: " + found[0])

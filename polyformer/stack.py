@@ -104,6 +104,8 @@ class AttentionLayers(nn.Module):
             and this step's are written to it; x holds only the new positions.
         prefix: the first `prefix` positions of x are memory tokens: attended to like the others,
             but token shift does not move their features into the text.
+        global_mask: (b, n) bool, with an attention pattern on an Encoder: the marked tokens see every
+            key and are seen by every query (Longformer's global attention).
         prefix_len: prefix-LM, for a causal stack: int or (b,); the first prefix_len text positions
             of each row (after memory tokens) are seen by every query, so the prefix attends to
             itself bidirectionally and the rest stays causal.
@@ -135,7 +137,7 @@ class AttentionLayers(nn.Module):
         self.dim = cfg.dim
         self.causal = cfg.causal
         a = cfg.attention
-        bias_cls = SCORE_BIAS[a.bias]
+        bias_cls = SCORE_BIAS[a.bias].build
         if bias_cls is None:
             self.shared_bias = None
         elif a.bias == "t5":
@@ -144,7 +146,7 @@ class AttentionLayers(nn.Module):
             self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
         layout = cfg.layout
         shifts = cfg.shift_tokens if isinstance(cfg.shift_tokens, tuple) else (cfg.shift_tokens,) * len(layout)
-        norm_cls = NORM[cfg.norm]
+        norm_cls = NORM[cfg.norm].build
 
         def norm() -> nn.Module | None:
             return norm_cls(cfg.dim, cfg.norm_eps) if norm_cls is not None else None
@@ -163,7 +165,7 @@ class AttentionLayers(nn.Module):
                 n_cross += kind == "c"
             shift = TokenShift(tuple(range(0 if cfg.causal else -s, s + 1))) if s > 0 else None
             blocks.append(Block(
-                kind, branch, RESIDUAL[cfg.residual](cfg.dim),
+                kind, branch, RESIDUAL[cfg.residual].build(cfg.dim),
                 norm_in=norm() if cfg.placement in ("pre", "sandwich") else None,
                 norm_out=norm() if cfg.placement == "sandwich" else None,
                 post_norm=norm() if cfg.placement == "post" else None,
@@ -198,6 +200,16 @@ class AttentionLayers(nn.Module):
                            device=device or param.device)
 
     @property
+    def window(self) -> tuple[int, int] | None:
+        """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
+        positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
+        keeps just those. None otherwise."""
+        stages = [b.branch.pattern for b in self.blocks if b.kind == "a"]
+        if not stages or any(s is None or s.decode != "window" for s in stages):
+            return None
+        return stages[0].sinks, stages[0].span
+
+    @property
     def has_pos_emb(self) -> bool:
         """Whether the blocks carry positions themselves (rotary, infused, T5, ALiBi)."""
         return self.cfg.attention.position != "none" or self.cfg.attention.bias != "none"
@@ -211,8 +223,11 @@ class AttentionLayers(nn.Module):
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
                 state: DecodeState | None = None, prefix: int = 0,
                 prefix_len: Tensor | int | None = None, return_attn: bool = False,
-                return_intermediates: bool = False) -> Tensor | tuple[Tensor, Intermediates]:
+                return_intermediates: bool = False, global_mask: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
+        if global_mask is not None:
+            checks.global_mask(self, global_mask, x)
         if state is not None:
             checks.decode_state(self, state, x, mems)
         if isinstance(mem_masks, Tensor):
@@ -230,6 +245,7 @@ class AttentionLayers(nn.Module):
             shift_mask[:, :prefix] = False
         ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
                       mems=mems, mem_masks=mem_masks, need_weights=return_attn, prefix_span=prefix_span,
+                      global_mask=global_mask,
                       shift_mask=shift_mask,
                       state=state)
         if state is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
@@ -69,10 +70,10 @@ class SequenceWrapper(nn.Module):
         self.post_emb_norm = None
         if post_emb_norm:                 # the stack's own norm and eps (BERT: LayerNorm, eps 1e-12)
             cfg = self.attn_layers.cfg
-            if NORM[cfg.norm] is None:
+            if NORM[cfg.norm].build is None:
                 raise ValueError(f"{owner}: post_emb_norm=True uses the stack's norm, and use_rezero=True "
                                  "leaves the stack without one")
-            self.post_emb_norm = NORM[cfg.norm](dim, cfg.norm_eps)
+            self.post_emb_norm = NORM[cfg.norm].build(dim, cfg.norm_eps)
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
 
@@ -129,7 +130,8 @@ class SequenceWrapper(nn.Module):
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
              mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
              return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None,
-             prefix_len: Tensor | int | None = None) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
+             prefix_len: Tensor | int | None = None, global_mask: Tensor | None = None
+             ) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
         n = h.shape[1]
         tok_pos = self._positions(n, pos, state, h.device)
         if self.bounded and checks.values_hidden():
@@ -141,6 +143,9 @@ class SequenceWrapper(nn.Module):
         stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
         prefix = self.memory_tokens is not None and (state is None or state.length == 0)
         if prefix:
+            if global_mask is not None:
+                checks.bool_mask("global_mask", global_mask, tuple(h.shape[:2]), "(batch, seq)")
+                global_mask = F.pad(global_mask, (self.num_memory_tokens, 0), value=False)
             h, mask = self.memory_tokens(h, mask)
             first = torch.arange(self.num_memory_tokens, device=h.device)[None]
             stack_pos = torch.cat((first.expand(stack_pos.shape[0], -1), stack_pos), dim=1)
@@ -152,7 +157,7 @@ class SequenceWrapper(nn.Module):
         out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
                                mem_masks=mem_masks, pos=stack_pos, state=state,
                                prefix=self.num_memory_tokens if prefix else 0, prefix_len=prefix_len,
-                               return_attn=return_attn,
+                               global_mask=global_mask, return_attn=return_attn,
                                return_intermediates=need_record)
         record = None
         if need_record:
@@ -264,7 +269,7 @@ class TransformerWrapper(SequenceWrapper):
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
                 state: DecodeState | None = None, prefix_len: Tensor | int | None = None,
-                embed_ids: dict[str, Tensor] | None = None) -> Any:
+                embed_ids: dict[str, Tensor] | None = None, global_mask: Tensor | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
         self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
         if embed_ids is not None:
@@ -274,7 +279,7 @@ class TransformerWrapper(SequenceWrapper):
         h = self.embed(x, embed_ids)
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
-                                          pos, state, prefix_len)
+                                          pos, state, prefix_len, global_mask)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 
@@ -312,7 +317,8 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                 mem_masks: list[Tensor] | Tensor | None = None, return_embeddings: bool = False,
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
-                state: DecodeState | None = None, prefix_len: Tensor | int | None = None) -> Any:
+                state: DecodeState | None = None, prefix_len: Tensor | int | None = None,
+                global_mask: Tensor | None = None) -> Any:
         checks.floats("x", x, 3, "(batch, seq, dim_in)")
         if x.shape[-1] != self.dim_in:
             raise ValueError(f"x has feature size {x.shape[-1]}, expected dim_in={self.dim_in}")
@@ -322,7 +328,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         h = self.project_in(x) if self.project_in is not None else x
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
-                                          pos, state, prefix_len)
+                                          pos, state, prefix_len, global_mask)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 

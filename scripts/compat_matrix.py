@@ -31,6 +31,8 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 SWITCHES: dict[str, Any] = {
     "pre_norm": False, "attn_kv_heads": 2, "attn_num_mem_kv": 2, "attn_sparse_topk": 2, "shift_tokens": 1,
     "sandwich_coef": 1, "custom_layers": ("a", "f", "a", "f"), "rotary_emb_dim": 4, "alibi_num_heads": 1,
+    # attention patterns that stand alone (the others need a companion keyword: see tests/attention/patterns)
+    "attn_window": 4, "attn_blockwise": 2, "attn_block_local": (4, 2), "attn_dilated": ((4, 1), (8, 2)),
 }
 # `TransformerWrapper` keywords that switch a feature on
 WRAPPER_SWITCHES: dict[str, Any] = {
@@ -45,6 +47,8 @@ BASE = dict(dim=16, depth=2, heads=2, attn_dim_head=8)
 
 
 def _field_type(path: str) -> Any:
+    if path.startswith("attention.pattern."):
+        return None                 # a pattern piece's option: numeric, a switch only when listed above
     cls: Any = LayersConfig
     *heads, last = path.split(".")
     for name in heads:
@@ -89,8 +93,10 @@ def label(option: tuple[str, Any]) -> str:
     name, value = option
     if value is True and name not in BOTH_VALUES:
         return name
-    if isinstance(value, tuple):
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
         return f"{name}={''.join(value)}"
+    if isinstance(value, tuple):
+        return f"{name}={str(value).replace(' ', '')}"
     return f"{name}={value}"
 
 

@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 
 import pytest
+
+from polyformer import registry
 import torch
 
 from polyformer import (
@@ -435,6 +437,10 @@ def test_keyword_table_routes_to_real_fields():
     cfg_fields = {f"attention.{k}" for k in AttentionConfig.__dataclass_fields__}
     cfg_fields |= {f"ff.{k}" for k in FeedForwardConfig.__dataclass_fields__}
     cfg_fields |= set(LayersConfig.__dataclass_fields__)
+    # a pattern piece's options: attention.pattern.<registry name>[.<field of its options class>]
+    for piece, entry in registry.PATTERN.items():
+        cfg_fields.add(f"attention.pattern.{piece}")
+        cfg_fields |= {f"attention.pattern.{piece}.{k}" for k in entry.options.__dataclass_fields__}
     for name, route in KEYWORDS.items():
         paths = route.when_true.keys() if route.when_true is not None else [route.path]
         for path in paths:

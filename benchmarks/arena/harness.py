@@ -42,6 +42,8 @@ def build_layers(v: Variant, *, dim: int, depth: int, heads: int, causal: bool, 
 
     if v.causal_only and not causal:
         raise ValueError(f"variant {v.name!r} needs a causal (Decoder) task")
+    if v.encoder_only and causal:
+        raise ValueError(f"variant {v.name!r} needs a bidirectional (Encoder) task")
     torch.manual_seed(seed)
     return (Decoder if causal else Encoder)(dim=dim, depth=depth, heads=heads, attn_dim_head=dim // heads,
                                             **v.layers)

@@ -24,6 +24,8 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)         # environment while it runs
     tasks: tuple[str, ...] = ()                               # tasks it joins by default
     causal_only: bool = False                                 # cannot run in an Encoder
+    encoder_only: bool = False                                # cannot run in a Decoder
+    min_len: int = 0                                          # the shortest input it takes
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tasks) - set(TASK_NAMES))
@@ -33,6 +35,7 @@ class Variant:
 
 POSITIONS = ("extrapolation",)
 ATTENTION = ("mqar", "listops", "efficiency")
+SPARSE = ("listops", "efficiency")
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # --- attention (the dense kernel and its normalisers) --------------------------------------
@@ -61,6 +64,38 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             wrapper=dict(use_abs_pos_emb=False), tasks=POSITIONS, causal_only=True),
     Variant("infused", "sinusoids added to the q / k inputs of every layer (Shortformer)",
             "arXiv:2012.15832", layers=dict(position_infused_attn=True), tasks=()),
+    # --- sparse patterns (attention/patterns/): cost n x visible keys, computed sparse ---------
+    Variant("window", "sliding window: each query sees the last 256 keys (both sides: 128 each)",
+            "arXiv:2004.05150", layers=dict(rotary_pos_emb=True, attn_window=256), tasks=SPARSE),
+    Variant("window_sinks", "sliding window of 256 keys plus 4 attention sinks (StreamingLLM)",
+            "arXiv:2309.17453", layers=dict(rotary_pos_emb=True, attn_window=256, attn_sink_tokens=4),
+            tasks=("extrapolation",), causal_only=True),
+    Variant("dilated_window", "a window of 128 keys spaced 2 apart (Longformer's dilation)", "arXiv:2004.05150",
+            layers=dict(rotary_pos_emb=True, attn_window=128, attn_window_dilation=2), tasks=SPARSE),
+    Variant("longformer", "window of 256 keys, the first token global (sees and is seen by all)",
+            "arXiv:2004.05150", layers=dict(rotary_pos_emb=True, attn_window=256, attn_global_tokens=1),
+            tasks=SPARSE),
+    Variant("bigbird", "window of 3 blocks of 32, the first block global, 3 random blocks per query block",
+            "arXiv:2007.14062", layers=dict(rotary_pos_emb=True, attn_window=96, attn_global_tokens=32,
+                                            attn_random_blocks=3, attn_block_size=32), tasks=SPARSE, min_len=96),
+    Variant("strided", "Sparse Transformer strided: the last 64 keys and every 64th, merged in every head",
+            "arXiv:1904.10509", layers=dict(rotary_pos_emb=True, attn_sparse="strided", attn_sparse_stride=64,
+                                            attn_sparse_mode="union"), tasks=SPARSE),
+    Variant("fixed", "Sparse Transformer fixed: the own block of 64 and the last 8 of every block",
+            "arXiv:1904.10509", layers=dict(rotary_pos_emb=True, attn_sparse="fixed", attn_sparse_stride=64,
+                                            attn_sparse_summary=8, attn_sparse_mode="union"), tasks=SPARSE),
+    Variant("blockwise", "the sequence in 2 blocks; half the heads see their block, half the other",
+            "arXiv:1911.02972", layers=dict(rotary_pos_emb=True, attn_blockwise=2), tasks=SPARSE,
+            encoder_only=True),
+    Variant("block_local", "blocks of 128 queries see their block and the 128 positions before",
+            "arXiv:1802.05751", layers=dict(rotary_pos_emb=True, attn_block_local=(128, 128)), tasks=SPARSE),
+    Variant("local_2d", "the sequence as 128-wide raster rows: 8 x 16 query blocks, 8 rows / 16 columns memory",
+            "arXiv:1802.05751", layers=dict(rotary_pos_emb=True, attn_local_2d=dict(image=(128, 128), query=(8, 16),
+                                                                                   memory=(8, 16))),
+            tasks=("efficiency",)),
+    Variant("longnet", "LongNet dilated attention: (w, r) = (128, 1), (512, 2), (2048, 4), (8192, 8)",
+            "arXiv:2307.02486", layers=dict(rotary_pos_emb=True, attn_dilated=((128, 1), (512, 2), (2048, 4),
+                                                                               (8192, 8))), tasks=SPARSE),
     # --- memories ----------------------------------------------------------------------------
     Variant("no_memory", "segments of 128 tokens, no memory of earlier segments", "arXiv:1901.02860",
             layers=dict(rotary_pos_emb=True), tasks=("long_text",)),

@@ -8,7 +8,9 @@ from torch import Tensor, nn
 from ..config import AttentionConfig
 from ..interfaces import KV, AttnOut, Context
 from ..registry import KERNEL, NORMALIZE, POSITION
+from ..autodiff import needs_reference
 from . import patterns
+from .kernels import block_sparse
 from .keys import MemoryKV, context_source, self_source
 from .mixing import Output, TalkingHeads
 from .projection import Projection
@@ -32,19 +34,21 @@ class Attention(nn.Module):
         positional = not cross
         self.project = Projection(dim, cfg, dim_context=(dim_context or dim) if cross else None,
                                   infuse=positional and cfg.position == "infused")
-        position = POSITION[cfg.position] if positional else None
+        position = POSITION[cfg.position].build if positional else None
         self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_interleaved,
                                   cfg.rotary_interpolation, cfg.rotary_llama3) if position is not None else None)
         self._bias = (shared_bias,) if positional and shared_bias is not None else ()
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
-        normalize = NORMALIZE[cfg.normalize](cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize]()
-        self.kernel = KERNEL[cfg.kernel](
+        normalize = NORMALIZE[cfg.normalize].build(cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize].build()
+        self.kernel = KERNEL[cfg.kernel].build(
             cfg.heads, self.project.qk_dim ** -0.5, cfg.dropout, normalize,
             pre_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
             post_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
             fused=cfg.fused, keep_scores=keep_scores)
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
+        self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
+                        if cfg.pattern and not cross else None)
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
         if self.cross:
@@ -57,6 +61,9 @@ class Attention(nn.Module):
             kv = ctx.state.attend(self.layer, kv)                 # every key so far, written in place
         if self.memory_kv is not None:
             kv = self.memory_kv(kv)
+        if self.pattern is not None:
+            out = self.patterned(q, kv, ctx, prev_scores)
+            return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
         mask, causal = self.keep(ctx, kv)
         bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None
         if bias is not None and kv.free:
@@ -64,6 +71,39 @@ class Attention(nn.Module):
         out = self.kernel(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
                           need_weights=ctx.need_weights)
         return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
+
+    def patterned(self, q: Tensor, kv: KV, ctx: Context, prev_scores: Tensor | None) -> AttnOut:
+        """Attention restricted to the pattern: the block-sparse kernel when the keys are one run of
+        positions per row and the kernel's fast path applies, else the dense kernel with the pattern's
+        mask (decode steps, return_attn, residual scores, top-k / entmax, transforms)."""
+        if ctx.prefix_span is not None:
+            raise ValueError("prefix_len cannot combine with an attention pattern (attn_window, attn_sparse, ...)")
+        nk, n = kv.k.shape[2] - kv.free, q.shape[2]
+        flags = None if ctx.global_mask is None else F.pad(ctx.global_mask, (nk - n, 0), value=False)
+        self.pattern.bind(flags, nk - n, nk, int(kv.pos.max()))
+        bias = self._bias[0] if self._bias else None
+        fast = (self.kernel.can_fuse and prev_scores is None and not ctx.need_weights
+                and not needs_reference(q, kv.k, kv.v))
+        geo = patterns.Geometry.of(ctx.pos, kv.pos, kv.mask, self.causal, q.shape[1], flags) if fast else None
+        if geo is not None:
+            key = ("pattern", self.pattern.layer_key)
+            if key not in ctx.memo:
+                ctx.memo[key] = self.pattern.parts(geo)
+            return AttnOut(block_sparse.attention(q, kv, ctx.pos, ctx.memo[key], kv.mask, bias,
+                                                  self.kernel.scale, self.kernel.dropout))
+        counts = self.pattern.counts(ctx.pos, kv.pos, nk - n)                 # (z, h, i, j)
+        keep = counts > 0
+        if kv.mask is not None:
+            keep = keep & kv.mask[:, None, None, :]
+        scores = bias(ctx.pos, kv.pos) if bias is not None else None
+        if self.pattern.mixture:            # a key shown by c configurations weighs c times
+            extra = counts.clamp(min=1).float().log()
+            scores = extra if scores is None else scores + extra
+        if kv.free:
+            keep = F.pad(keep, (kv.free, 0), value=True)
+            scores = F.pad(scores, (kv.free, 0)) if scores is not None else None
+        return self.kernel(q, kv, mask=keep, bias=scores, causal=False, prev_scores=prev_scores,
+                           need_weights=ctx.need_weights)
 
     def context_kv(self, ctx: Context) -> KV:
         """Keys / values of the context; a decode state keeps them, so they are computed once."""

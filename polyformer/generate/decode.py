@@ -192,8 +192,12 @@ class AutoregressiveWrapper(nn.Module):
 
     def _feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
         """Run new tokens against the state; slide the window first when a relative-position
-        model's state is full."""
+        model's state is full. A windowed model's state holds its window alone: a prompt longer
+        than the room runs in chunks, exactly, since no query can see past the window."""
         room = state.max_len - state.length
+        window = self.net.attn_layers.window
+        if x.shape[1] > room and not self.net.bounded and window is not None:
+            return self._feed_window(x, state, net, window, **kwargs)
         if x.shape[1] > room and not self.net.bounded:
             keep = self.net.num_memory_tokens
             window = state.max_len - keep
@@ -201,6 +205,29 @@ class AutoregressiveWrapper(nn.Module):
                 raise ValueError(f"{x.shape[1]} new tokens do not fit a decode state of {window} positions")
             state.slide(max(x.shape[1] - room, window // 4), keep=keep)
         return (net if net is not None else self.net)(x, state=state, **kwargs)
+
+    def _feed_window(self, x: Tensor, state: DecodeState, net: Callable | None, window: tuple[int, int],
+                     **kwargs) -> Tensor:
+        """Feed x in chunks that fit, sliding out before each every key the window can no longer
+        show; memory tokens and sinks stay."""
+        sinks, span = window
+        out, start = None, 0
+        while start < x.shape[1]:
+            if state.length == state.max_len or state.max_len - state.length < x.shape[1] - start:
+                keep = self.net.num_memory_tokens
+                if sinks and state.length > keep:
+                    sink = (state.pos[:, keep: state.length] < sinks).any(0).nonzero()
+                    keep += int(sink[-1]) + 1 if len(sink) else 0
+                state.slide(max(state.length - keep - (span - 1), 0), keep=keep)
+            size = min(state.max_len - state.length, x.shape[1] - start)
+            if size < 1:
+                raise ValueError(f"a decode state of {state.max_len} positions cannot hold this windowed model's "
+                                 f"sinks and {span} window positions; make it larger")
+            part = {k: (v[:, start: start + size] if k in ("mask", "pos") and v is not None else v)
+                    for k, v in kwargs.items()}
+            out = (net if net is not None else self.net)(x[:, start: start + size], state=state, **part)
+            start += size
+        return out
 
     def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
                 context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None):
@@ -210,7 +237,11 @@ class AutoregressiveWrapper(nn.Module):
         b, n = prompts.shape
         if state is None:
             length = n + seq_len
-            if not self.net.bounded:
+            window = self.net.attn_layers.window
+            if window is not None and not self.net.bounded:     # the sinks, the window and room to slide
+                sinks, span = window
+                length = min(length, sinks + span + max(16, span // 4))
+            elif not self.net.bounded:
                 length = min(length, max(n, self.max_seq_len))
             state = self.net.new_state(b, length)
         pos = left_padded_positions(mask) if state.length == 0 else None

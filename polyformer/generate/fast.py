@@ -125,6 +125,8 @@ class FastStep:
                     return "a score bias that is not the stack's own"
                 if attn.project.infusion is not None or attn.project.mixing is not None:
                     return "position-infused or collaborative heads"
+                if attn.pattern is not None:
+                    return "an attention pattern (attn_window, attn_sparse, ...)"
         if _hooked(net):
             return "a forward hook on a module"
         return None

@@ -36,6 +36,13 @@ class AlibiBias(nn.Module):
         distance = (k_pos[..., None, :] - q_pos[..., :, None]).abs().float()   # (b|1, i, j)
         return -self.slopes * distance.unsqueeze(-3)                            # (b|1, h, i, j)
 
+    def aligned(self, q_pos: Tensor, k_pos: Tensor, heads: Tensor) -> Tensor:
+        """Positions that already carry a head axis: q_pos (..., H, G, i), k_pos (..., H, G, j) with
+        H 1 or len(heads) -> the bias of `heads`, (..., len(heads), G, i, j) (the block-sparse kernel's
+        gathered keys)."""
+        distance = (k_pos[..., None, :] - q_pos[..., :, None]).abs().float()
+        return -self.slopes.view(-1)[heads].view(-1, 1, 1, 1) * distance
+
 
 def t5_buckets(relative: Tensor, causal: bool, num_buckets: int, max_distance: int) -> Tensor:
     """T5's bucketing of relative = k_pos - q_pos: exact buckets for small distances, logarithmic
@@ -72,3 +79,10 @@ class T5Bias(nn.Module):
         relative = k_pos[..., None, :] - q_pos[..., :, None]                  # (b|1, i, j)
         buckets = t5_buckets(relative.long(), self.causal, self.num_buckets, self.max_distance)
         return self.embedding(buckets).permute(0, 3, 1, 2)                     # (b|1, h, i, j)
+
+    def aligned(self, q_pos: Tensor, k_pos: Tensor, heads: Tensor) -> Tensor:
+        """As `AlibiBias.aligned`: (..., H, G, i), (..., H, G, j) -> (..., len(heads), G, i, j)."""
+        relative = k_pos[..., None, :] - q_pos[..., :, None]
+        buckets = t5_buckets(relative.long(), self.causal, self.num_buckets, self.max_distance)
+        table = self.embedding.weight.t()[heads]                                # (hp, buckets)
+        return table[torch.arange(len(heads), device=buckets.device).view(-1, 1, 1, 1), buckets]

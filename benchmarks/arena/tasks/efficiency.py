@@ -49,6 +49,8 @@ def cannot_run(v: Variant) -> str | None:
     """Why this task cannot measure `v`, or None."""
     if v.causal_only and not CAUSAL:
         return "cannot run: needs a causal stack; this task is bidirectional (CAUSAL = False)"
+    if v.encoder_only and CAUSAL:
+        return "cannot run: needs a bidirectional stack; this task is causal (CAUSAL = True)"
     if v.wrapper:   # the task times the layer stack alone; wrapper keywords would silently not apply
         return f"cannot run: its keywords {sorted(v.wrapper)} go on TransformerWrapper, not the layer stack"
     return None

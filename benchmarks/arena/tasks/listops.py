@@ -73,6 +73,9 @@ def accuracy(model: Classifier, examples: list, batch: int) -> float:
 
 def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_set: list, test_set: list,
                 log: Callable[[str], None]) -> dict[str, Any]:
+    if v.min_len > s["min_len"]:
+        raise ValueError(f"variant {v.name!r} takes inputs of at least {v.min_len} tokens; this run's shortest "
+                         f"is {s['min_len']} (--set min_len={v.min_len})")
     encoder = build_model(v, num_tokens=len(listops.VOCAB), max_seq_len=s["max_len"], dim=s["dim"],
                           depth=s["depth"], heads=s["heads"], causal=False, seed=s["seed"])
     model = Classifier(encoder, s["dim"], listops.NUM_CLASSES)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...autodiff import needs_reference
-from ...interfaces import KV, AttnOut, KernelCaps
+from ...interfaces import KV, AttnOut, Caps
 from ...precision import upcast
 from . import cpu
 
@@ -38,7 +38,7 @@ class DenseKernel(nn.Module):
     causal pattern (requires i == j); prev_scores: residual attention scores to add (b, h, i, j).
     """
 
-    caps = KernelCaps(exact=True, bias=True, fused=True)
+    caps = Caps(exact=True, bias=True, fused=True, decode="keys")
 
     def __init__(self, heads: int, scale: float, dropout: float, normalize: nn.Module,
                  pre_mix: nn.Module | None = None, post_mix: nn.Module | None = None,

@@ -1,0 +1,8 @@
+"""Which keys a query may see: the causal and prefix-LM rules (`base`), and the sparse pattern
+pieces, each a pure definition on positions that yields a dense mask and a block layout."""
+
+from .base import causal, prefix_causal
+from .layout import Geometry
+from .stage import KEYWORD, PIECES, PatternStage, problems
+
+__all__ = ["Geometry", "causal", "prefix_causal", "PIECES", "KEYWORD", "PatternStage", "problems"]
