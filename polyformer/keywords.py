@@ -152,6 +152,7 @@ KEYWORDS: dict[str, Route] = {
     "attn_window": Route("attention.pattern.window.size"),
     "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),
     "attn_global_tokens": Route("attention.pattern.global.tokens"),
+    "attn_global_projections": Route("attention.pattern.global.projections"),
     "attn_sink_tokens": Route("attention.pattern.sinks.tokens"),
     "attn_random_blocks": Route("attention.pattern.random.blocks"),
     "attn_block_size": Route("attention.pattern.random.block_size"),

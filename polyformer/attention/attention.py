@@ -10,6 +10,7 @@ from ..interfaces import KV, AttnOut, Context
 from ..registry import KERNEL, NORMALIZE, POSITION
 from ..autodiff import needs_reference
 from . import patterns
+from .global_queries import GlobalQueries
 from .kernels import block_sparse
 from .keys import MemoryKV, context_source, self_source
 from .mixing import Output, TalkingHeads
@@ -49,6 +50,8 @@ class Attention(nn.Module):
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
                         if cfg.pattern and not cross else None)
+        own = patterns.own_projections(cfg.pattern)
+        self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
         if self.cross:
@@ -63,6 +66,9 @@ class Attention(nn.Module):
             kv = self.memory_kv(kv)
         if self.pattern is not None:
             out = self.patterned(q, kv, ctx, prev_scores)
+            if self.global_queries is not None:
+                out.out = self.global_queries(out.out, x, ctx, self.layer, self.position,
+                                              self._bias[0] if self._bias else None, self.kernel)
             return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
         mask, causal = self.keep(ctx, kv)
         bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None

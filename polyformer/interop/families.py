@@ -6,8 +6,9 @@ from .bert import BERT
 from .family import Family, Unsupported
 from .gpt2 import GPT2
 from .llama import LLAMA
+from .longformer import LONGFORMER
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER)}
 SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
 
 

@@ -25,7 +25,8 @@ class Link:
 
     Several tensors are joined along dim 0, `sizes` rows each (separate q / k / v projections into
     one fused q|k|v); `transpose` undoes GPT-2's Conv1D layout (in, out). `absolute` names are not
-    under the base model's prefix (the LM head).
+    under the base model's prefix (the LM head). `offset`: their first rows have no counterpart (RoBERTa's
+    position table starts at padding_idx + 1); they are dropped, and written as zeros.
     """
 
     ours: str
@@ -33,20 +34,25 @@ class Link:
     sizes: tuple[int, ...] = ()
     transpose: bool = False
     absolute: bool = False
+    offset: int = 0
 
     def to_ours(self, tensors: list[Tensor]) -> Tensor:
         t = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
-        return t.t().contiguous() if self.transpose else t.clone()
+        return t.t().contiguous() if self.transpose else t[self.offset:].clone()
 
     def to_theirs(self, t: Tensor) -> list[Tensor]:
         if len(self.theirs) > 1:
             return [part.clone() for part in t.split(list(self.sizes), dim=0)]
+        if self.offset:
+            return [torch.cat((t.new_zeros(self.offset, *t.shape[1:]), t))]
         return [(t.t() if self.transpose else t).contiguous().clone()]
 
     def their_shapes(self, ours: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shapes the Hugging Face tensors must have to make a tensor of shape `ours`."""
         if len(self.theirs) > 1:
             return [(n, *ours[1:]) for n in self.sizes]
+        if self.offset:
+            return [(ours[0] + self.offset, *ours[1:])]
         return [tuple(reversed(ours)) if self.transpose else tuple(ours)]
 
 

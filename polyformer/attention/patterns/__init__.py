@@ -3,6 +3,6 @@ pieces, each a pure definition on positions that yields a dense mask and a block
 
 from .base import causal, prefix_causal
 from .layout import Geometry
-from .stage import KEYWORD, PIECES, PatternStage, problems
+from .stage import KEYWORD, PIECES, PatternStage, own_projections, problems
 
-__all__ = ["Geometry", "causal", "prefix_causal", "PIECES", "KEYWORD", "PatternStage", "problems"]
+__all__ = ["Geometry", "causal", "prefix_causal", "PIECES", "KEYWORD", "PatternStage", "own_projections", "problems"]

@@ -19,6 +19,7 @@ GROUP = 64
 @dataclass(frozen=True)
 class GlobalOptions:
     tokens: int = 0                     # the first g positions (besides the forward's global_mask)
+    projections: bool = False           # global rows from their own q / k / v projections (Longformer)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Global:
     def check(cls, opts: GlobalOptions | SinkOptions, heads: int, causal: bool) -> list[str]:
         if not isinstance(opts.tokens, int) or opts.tokens < (0 if cls.queries_too else 1):
             return [f"{cls.keyword} must be an integer >= {0 if cls.queries_too else 1}, got {opts.tokens!r}"]
+        if getattr(opts, "projections", False) and causal:
+            return ["attn_global_projections recomputes global rows over every key (Longformer, an encoder): "
+                    "it cannot be causal (causal=True, a Decoder)"]
         return []
 
     def bind(self, flags: Tensor | None, shift: int, nk: int) -> None:

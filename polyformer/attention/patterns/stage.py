@@ -48,6 +48,14 @@ def problems(choices: tuple[Choice, ...], heads: int, causal: bool) -> list[str]
     return out
 
 
+def own_projections(choices: tuple[Choice, ...]) -> int | None:
+    """The global token count when global rows take their own projections (Longformer), else None."""
+    for c in choices:
+        if c.name == "global" and c.options.projections:
+            return c.options.tokens
+    return None
+
+
 class PatternStage:
     """Which keys each query sees. Built per attention block: random blocks depend on the layer,
     and 'alternate' Sparse Transformer layers on its parity."""
