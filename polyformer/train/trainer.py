@@ -77,17 +77,52 @@ def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
             raise SystemExit(f"polyformer: {str(run_dir)!r} already holds a run; pass --resume to continue it "
                              "or choose another --out (nothing was changed)")
         return resolve(preset, config_file, overrides)
-    if preset or config_file:
-        raise SystemExit("polyformer: --resume continues the run's own settings; drop --preset / --config")
     config = load_run_config(run_dir)
     if config["train"].get("converted_from"):
         raise SystemExit(f"polyformer: {str(run_dir)!r} was converted from a Hugging Face checkpoint "
                          "(polyformer convert): it can be sampled and evaluated, not resumed")
     settings = from_dict(config["train"]["settings"])
-    for dotted, value in overrides:       # only the length of the run and the display may change
-        if dotted not in ("train.steps", "train.progress"):
-            raise SystemExit(f"polyformer: --{dotted} cannot change when resuming (only --train.steps)")
+    fixed = [(dotted, value) for dotted, value in overrides if dotted not in CHANGEABLE]
+    differ = _differences(settings, preset, config_file, fixed)
+    if differ:
+        listed = "; ".join(f"--{dotted} is {given!r} here but {ran!r} in the run" for dotted, given, ran in differ)
+        raise SystemExit(f"polyformer: --resume continues {str(run_dir)!r} with its own settings, and this command "
+                         f"differs: {listed}. Only --train.steps and --train.progress may change; drop the others "
+                         "or start a new run with another --out")
+    overrides = [(dotted, value) for dotted, value in overrides if dotted in CHANGEABLE]
     return _with(settings, overrides)
+
+
+CHANGEABLE = ("train.steps", "train.progress")      # what a resumed run may change: its length, its display
+
+
+def _differences(settings: RunSettings, preset: str | None, config_file: str | None,
+                 overrides: list[tuple[str, str]]) -> list[tuple[str, object, object]]:
+    """(setting, this command's value, the run's value) where the command repeated with --resume
+    asks for something else than the run has. With --preset / --config the command's whole settings
+    are compared (the original command plus --resume is accepted); without, only the settings it names."""
+    import copy
+
+    from .settings import set_value, to_dict as settings_dict
+
+    if preset or config_file:
+        given = resolve(preset, config_file, overrides)
+    else:
+        given = copy.deepcopy(settings)
+        for dotted, value in overrides:
+            set_value(given, dotted, value, source=f"--{dotted}")
+    ours, theirs = _flat(settings_dict(given)), _flat(settings_dict(settings))
+    return [(k, ours[k], theirs.get(k)) for k in ours if k not in CHANGEABLE and ours[k] != theirs.get(k)]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _with(settings: RunSettings, overrides: list[tuple[str, str]]) -> RunSettings:

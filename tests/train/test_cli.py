@@ -316,3 +316,19 @@ def test_torch_compile_trains_like_eager(tmp_path):
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     for a, b in zip(losses(tmp_path / "eager"), losses(tmp_path / "compiled")):
         assert abs(float(a) - float(b)) < 1e-3
+
+
+def test_resume_accepts_the_original_command_and_names_what_differs(tmp_path):
+    """The command that started a run, repeated with --resume and more --steps, continues it exactly;
+    a setting that differs is refused with both values."""
+    common = [*TINY, "--train.checkpoint_every", "3", "--train.eval_every", "100"]
+    straight = polyformer("train", *common, "--steps", "8", "--out", str(tmp_path / "a"))
+    first = polyformer("train", *common, "--steps", "4", "--out", str(tmp_path / "b"))
+    changed = polyformer("train", *common, "--model.dim", "48", "--steps", "8", "--out", str(tmp_path / "b"),
+                         "--resume")
+    assert changed.returncode != 0
+    assert "--model.dim is 48 here but 32 in the run" in changed.stderr, changed.stderr
+    resumed = polyformer("train", *common, "--steps", "8", "--out", str(tmp_path / "b"), "--resume")
+    for done in (straight, first, resumed):
+        assert done.returncode == 0, done.stderr
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")                   # bit for bit, as text
