@@ -88,8 +88,31 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"warning: {message}", file=sys.stderr if file is None else file)
 
 
+# errors a user's input causes (a missing or unreadable file, a bad value, an unknown setting): one line
+EXPECTED = (OSError, ValueError, KeyError, TypeError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An expected error prints `polyformer: ...` on one line and exits with 2; the
+    traceback only with --debug (anywhere on the line) or POLYFORMER_DEBUG=1 in the environment."""
+    import os
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("POLYFORMER_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except EXPECTED as err:
+        if debug:
+            raise
+        text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        if isinstance(err, OSError) and err.strerror and err.filename:
+            text = f"{err.strerror}: {err.filename}"
+        print(f"polyformer: {text} (--debug shows where)", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     warnings.showwarning = _one_line_warning       # a command line shows warnings as one line each
     if argv[:1] == ["demo"]:
         from .demo import main as demo

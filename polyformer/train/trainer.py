@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -62,10 +63,18 @@ def train(out: str, preset: str | None = None, config_file: str | None = None,
           overrides: list[tuple[str, str]] | None = None, resume: bool = False) -> int:
     rank, world = join()
     finished = False
+    run_dir = Path(out)
+    created = rank == 0 and not resume and not run_dir.exists()
     try:
-        code = _train(Path(out), preset, config_file, overrides or [], resume, rank, world)
+        code = _train(run_dir, preset, config_file, overrides or [], resume, rank, world)
         finished = True
         return code
+    except BaseException:
+        # a new run that failed before its first checkpoint leaves nothing behind: neither a fresh
+        # start ("already holds a run") nor --resume ("nothing to resume") could take it
+        if created and run_dir.is_dir() and not any((run_dir / "checkpoints").glob("step-*")):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         leave(finished)
 

@@ -332,3 +332,25 @@ def test_resume_accepts_the_original_command_and_names_what_differs(tmp_path):
     for done in (straight, first, resumed):
         assert done.returncode == 0, done.stderr
     assert losses(tmp_path / "a") == losses(tmp_path / "b")                   # bit for bit, as text
+
+
+def test_obvious_mistakes_get_one_line_and_leave_no_run_behind(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.dat").write_bytes(bytes(range(256)) * 4)
+    cases = [
+        (["train", *TINY, "--steps", "2", "--data.paths", str(tmp_path / "nope.txt")], "does not exist"),
+        (["train", *TINY, "--steps", "2", "--data.paths", str(tmp_path / "empty.txt")], "corpus is empty"),
+        (["train", *TINY, "--steps", "2", "--data.paths", str(tmp_path / "binary.dat")], "is binary"),
+        (["train", *TINY, "--steps", "2", "--model.dimm", "3"], "did you mean 'model.dim'"),
+        (["generate", "--run", str(tmp_path), "--prompt", "x"], "is not a polyformer run directory"),
+        (["eval", "--run", str(tmp_path / "nothing")], "does not exist"),
+    ]
+    for n, (args, message) in enumerate(cases):
+        out = tmp_path / f"run{n}"
+        done = polyformer(*args, *(["--out", str(out)] if args[0] == "train" else []))
+        assert done.returncode != 0 and message in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+        assert done.stderr.startswith("polyformer: ")
+        assert not out.exists(), args                       # no half-made run directory
+    debug = polyformer("train", *TINY, "--steps", "2", "--model.dimm", "3", "--out", str(tmp_path / "d"), "--debug")
+    assert "Traceback" in debug.stderr
