@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ...interfaces import KV
 from ..patterns.layout import Pairs, Part, take
+from . import cpu
 
 
 def heads_of(part: Part, h: int, device: torch.device) -> Tensor:
@@ -88,10 +89,29 @@ def part_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     return full[:, :, :i], lse, heads
 
 
+def cpu_window(q: Tensor, kv: KV, parts: list[Part], k_mask: Tensor | None, bias: nn.Module | None,
+               dropout: nn.Module) -> int:
+    """w when the pattern is one causal sliding window of w keys with dilation 1 for every head (a
+    band that ends at each group's last query), queries and keys the same positions, no persistent
+    memory, key mask, score bias or dropout, and the compiled CPU kernel takes the call (float32 on
+    the CPU ...: cpu.applies); else 0."""
+    if len(parts) != 1 or kv.free or k_mask is not None or bias is not None:
+        return 0
+    part = parts[0]
+    if (part.band is None or part.heads is not None or q.shape[2] != kv.k.shape[2]
+            or part.band + part.keys.shape[3] != part.queries.shape[3]):
+        return 0
+    p = dropout.p if dropout.training else 0.0
+    return 1 - part.band if cpu.applies(q, kv.k, kv.v, None, None, p, window=1 - part.band) else 0
+
+
 def attention(q: Tensor, kv: KV, q_pos: Tensor, parts: list[Part], k_mask: Tensor | None,
               bias: nn.Module | None, scale: float, dropout: nn.Module) -> Tensor:
     """q (b, h, i, d); kv's first `free` keys (persistent memory) are seen by every query without
     bias; the parts index the rest. Returns (b, h, i, dv)."""
+    window = cpu_window(q, kv, parts, k_mask, bias, dropout)
+    if window:      # the compiled kernel computes the band alone (O(i w)), kv heads read in place
+        return cpu.attention(q, kv.k, kv.v, scale, True, window=window)
     b, h, i, _ = q.shape
     k, v = kv.k, kv.v
     q = q * scale

@@ -3,22 +3,26 @@
 ATen's CPU flash kernel, which `scaled_dot_product_attention` runs, reaches a third to a half of the
 machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks
 of 64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
-running maximum and sum join the chunks), skipping the causal upper triangle. In training up to
-KEEP_KEYS keys the forward keeps each block's weights for the backward (`keeps`); longer or larger
-calls recompute them in the backward from the forward's log-sum-exp (FlashAttention,
-arXiv:2205.14135). Its large outputs, gradients and kept weights come from a pool that hands the same
-memory out again every step (`polyformer/buffers.py`). When q, k and v are the columns of one fused
-projection (`packed_columns`), the backward writes that projection's gradient whole, in place of three
+running maximum and sum join the chunks), skipping the causal upper triangle; with a sliding window
+(`window`: row r sees r - w < j <= r) it skips the keys below each block's band too, so that its work
+grows with length times window. In training up to KEEP_KEYS keys a row the forward keeps each block's
+weights for the backward (`keeps`); longer or larger calls recompute them in the backward from the
+forward's log-sum-exp (FlashAttention, arXiv:2205.14135). Its large outputs, gradients and kept
+weights come from a pool that hands the same memory out again every step (`polyformer/buffers.py`;
+the pool is in `cpu_module.cpp`). When q, k and v are the columns of one fused projection
+(`packed_columns`), the backward writes that projection's gradient whole, in place of three
 gradients autograd would concatenate; the log-sum-exp and kept weights take no gradient, so autograd
-makes no zeros for them (it did: 38 MB of weights per layer zero-filled in every step at seq 512). With 8 heads of 64 it runs a causal forward +
-backward 2.2x (seq 512, batch 8) and 1.4x (seq 1024, batch 4) faster than ATen's
-(`benchmarks/attention.py`).
+makes no zeros for them (it did: 38 MB of weights per layer zero-filled in every step at seq 512).
+With 8 heads of 64 it runs a causal forward + backward 2.2x (seq 512, batch 8) and 1.4x (seq 1024,
+batch 4) faster than ATen's (`benchmarks/attention.py`).
 
-The dense kernel's fused path takes it for float32 CPU attention with no mask, bias or dropout,
-outside export, tracing, autocast, torch.func transforms and forward-mode AD: always in training
-(forward + backward is faster at every length measured, 1.08x at 8k keys), and without autograd up
-to LONGEST_INFERENCE keys, past which ATen's forward is as fast or faster. Everything else keeps
-`scaled_dot_product_attention`. It is built once per machine on first use with
+This module builds the kernel, decides when it runs and is its public entry (`attention`); the
+registered operators, with their fake implementations and autograd formulas, are in `cpu_ops.py`,
+re-exported here. The dense kernel's fused path takes it for float32 CPU attention with no mask,
+bias or dropout, outside export, tracing, autocast, torch.func transforms and forward-mode AD: always
+in training (forward + backward is faster at every length measured, 1.08x at 8k keys), and without
+autograd up to LONGEST_INFERENCE keys, past which ATen's forward is as fast or faster. Everything
+else keeps `scaled_dot_product_attention`. It is built once per machine on first use with
 `torch.utils.cpp_extension` (a C++ compiler and ninja; about 30 s) into PyTorch's extension cache. It
 is a registered operator (`polyformer::attention`), so `torch.compile` keeps it in its graphs;
 compiling first builds it too. Where it cannot be built, one warning says why and
@@ -40,10 +44,10 @@ from typing import Any, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from ...autodiff import graph_gradients, transformed
+from ...autodiff import transformed
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_module.cpp")]
 ISA_FLAGS = {                               # torch's own reading of the CPU: build for what it found
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -77,31 +81,40 @@ def recomputed_weights() -> ContextManager[None]:
     return _deeper(_recompute)
 
 
-def kept_floats(i: int, j: int, causal: bool) -> int:
-    """Floats one (batch, head) keeps: each block of 64 query rows times the keys its last row sees
-    (the kernel's `kept_per_task`), in closed form so that symbolic sizes (torch.compile with dynamic
-    shapes) go through: the full blocks that end within the keys see up to their end, the other full
-    blocks all j keys, the last partial block min(i, j)."""
+def kept_floats(i: int, j: int, causal: bool, window: int = 0) -> int:
+    """Floats one (batch, head) keeps: each block of 64 query rows times the keys of its band, from
+    its first row's first key to its last row's last (the kernel's `kept_per_task`), in closed form so
+    that symbolic sizes (torch.compile with dynamic shapes) go through: the full blocks that end within
+    the keys see up to their end, the other full blocks all j keys, the last partial block min(i, j);
+    with a window w, block n starts at key max(0, 64 n - w + 1), which is 0 for n < ceil(w / 64)."""
     if not causal:
         return i * j
     full, rest = i // 64, i % 64
     within = torch.sym_min(full, j // 64)
-    return 2048 * within * (within + 1) + 64 * j * (full - within) + rest * torch.sym_min(i, j)
+    floats = 2048 * within * (within + 1) + 64 * j * (full - within) + rest * torch.sym_min(i, j)
+    if window <= 0:
+        return floats
+    first = (window + 63) // 64                 # the first block whose band does not start at key 0
+    late = torch.sym_max(full - first, 0)       # full blocks from it on: starts 64 n - w + 1
+    skipped = 64 * (32 * late * (first + full - 1) - (window - 1) * late)
+    return floats - skipped - rest * torch.sym_max(64 * full - window + 1, 0)
 
 
-def keeps(q: Tensor, k: Tensor, causal: bool) -> bool:
+def keeps(q: Tensor, k: Tensor, causal: bool, window: int = 0) -> bool:
     """Whether a call keeps its softmax weights for the backward instead of recomputing them from the
     log-sum-exp: when autograd records it, up to KEEP_KEYS keys and KEEP_BYTES of weights. The
     backward then skips one of its five products and every exp. Measured in whole training steps
     (paired rounds, dim 512, 8 heads): 0.06 s a step faster at seq 512 batch 8. At seq 1024 batch 4
     (71 MB of weights per layer) two paired runs gave +0.15 s and -0.02 s, not a clear gain; hence
-    512. Memory is quadratic in the length.
+    512. Memory is quadratic in the length; with a window it grows with length times window, and the
+    limit on keys is on those a row sees (the window).
     """
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if not recording or _recompute[0] or k.shape[-2] > KEEP_KEYS:
+    seen = min(window, k.shape[-2]) if window else k.shape[-2]      # keys a row sees, at most
+    if not recording or _recompute[0] or seen > KEEP_KEYS:
         return False
     b, h, i, _ = q.shape
-    return b * h * kept_floats(i, k.shape[-2], causal) * 4 <= KEEP_BYTES
+    return b * h * kept_floats(i, k.shape[-2], causal, window) * 4 <= KEEP_BYTES
 
 
 def extension() -> Any | None:
@@ -128,14 +141,16 @@ def build() -> Any:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     isa = torch.backends.cpu.get_cpu_capability()
     logging.getLogger("polyformer").info("building the CPU attention kernel for %s (once)", isa)
-    return load(name=f"polyformer_cpu_attention_{isa.lower()}", sources=[str(SOURCE)],
+    return load(name=f"polyformer_cpu_attention_{isa.lower()}", sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"],
                 verbose=False)
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
-            dropout: float) -> bool:
-    """Whether this call runs on the compiled kernel (builds it on the first call that would)."""
+            dropout: float, window: int = 0) -> bool:
+    """Whether this call runs on the compiled kernel (builds it on the first call that would). With a
+    causal window (w > 0) inference has no length limit: the kernel computes only the band, where
+    the alternative (the block-sparse kernel's gathers) is 5x slower at 8k keys and w = 256."""
     if mask is not None or bias is not None or dropout > 0 or q.device.type != "cpu" or k.shape[-2] == 0:
         return False
     if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
@@ -143,7 +158,7 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
             and k.shape[1] == v.shape[1]):
         return False                        # shapes SDPA broadcasts (a batch of 1 against b ...)
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not recording and k.shape[-2] > LONGEST_INFERENCE:
+    if not recording and not window and k.shape[-2] > LONGEST_INFERENCE:
         return False
     if any(t.dtype != torch.float32 for t in (q, k, v)) or torch.is_autocast_enabled("cpu"):
         return False
@@ -169,9 +184,12 @@ def built_for_graphs() -> bool:
 built_for_graphs._dynamo_marked_constant = True         # type: ignore[attr-defined]
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: int = 0) -> Tensor:
     """softmax(q k^T scale, causal top-left aligned) v for q (b, h, i, d), k (b, hk, j, d), v (b, hk, j, dv),
-    each of the hk kv heads serving h // hk query heads in a row (grouped-query attention).
+    each of the hk kv heads serving h // hk query heads in a row (grouped-query attention). A window
+    w > 0 (causal only) lets row r see the keys r - w < j <= r alone: w keys, fewer in the first rows;
+    the kernel computes each block's band of keys only, O(i w) work and memory. Every row must see a
+    key (i - w < j); w >= i is plain causal attention.
 
     The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view. A registered
     operator (`polyformer::attention`), so that `torch.compile` keeps it in its graphs.
@@ -180,11 +198,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Te
         raise RuntimeError("cpu.attention has a backward formula only: it cannot run under torch.func "
                            "transforms or forward-mode AD (DenseKernel keeps scaled_dot_product_attention "
                            "or its reference path there)")
-    keep = keeps(q, k, causal)
+    if window:
+        if not causal or window < 0:
+            raise ValueError(f"cpu.attention: a window (here {window}) needs causal=True and must be >= 0")
+        if q.shape[-2] - window >= k.shape[-2]:
+            raise ValueError(f"cpu.attention: with a window every query row must see a key: {q.shape[-2]} "
+                             f"rows, window {window}, {k.shape[-2]} keys")
+        if window >= q.shape[-2]:               # every row's band starts at key 0: plain causal attention
+            window = 0
+    keep = keeps(q, k, causal, window)
     columns = packed_columns(q, k, v)
     if columns is not None:
-        return attention_packed_op(columns, q.shape[1], k.shape[1], v.shape[-1], scale, causal, keep)[0]
-    return attention_op(q, k, v, scale, causal, keep)[0]
+        return attention_packed_op(columns, q.shape[1], k.shape[1], v.shape[-1], scale, causal, keep, window)[0]
+    return attention_op(q, k, v, scale, causal, keep, window)[0]
 
 
 def packed_columns(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
@@ -205,23 +231,6 @@ def packed_columns(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     return base
 
 
-def unpack(columns: Tensor, heads: int, kv_heads: int, dim_value: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q (b, h, t, d), k (b, hk, t, d), v (b, hk, t, dv): views of the columns packed_columns found."""
-    b, t, width = columns.shape
-    d = (width - kv_heads * dim_value) // (heads + kv_heads)
-    q, k, v = columns.split((heads * d, kv_heads * d, kv_heads * dim_value), dim=-1)
-    return (q.view(b, t, heads, d).transpose(1, 2), k.view(b, t, kv_heads, d).transpose(1, 2),
-            v.view(b, t, kv_heads, dim_value).transpose(1, 2))
-
-
-def unit_stride(t: Tensor) -> Tensor:
-    """t itself when the BLAS can read its rows in place (unit stride within a row, rows apart); the
-    kernel reads a length-1 sequence dimension whatever its stride."""
-    if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) >= t.shape[-1]):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def module() -> Any:
     """The compiled module, or a RuntimeError that says why there is none."""
     built = extension()
@@ -230,131 +239,14 @@ def module() -> Any:
     return built
 
 
-def heads_inner(b: int, n: int, h: int, d: int, like: Tensor) -> Tensor:
-    """A new (b, h, n, d) tensor laid out as (b, n, h, d), the kernel's output layout."""
-    return like.new_empty(b, n, h, d).transpose(1, 2)
+# the registered operators (cpu_ops.py imports this module: the names it uses are defined above)
+from .cpu_ops import (  # noqa: E402
+    attention_backward_op, attention_op, attention_packed_backward_op, attention_packed_op, band_mask,
+    explicit_gradients, fake_attention, heads_inner, reference_attention, unit_stride, unpack)
 
-
-@torch.library.custom_op("polyformer::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                 keep: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, log-sum-exp, kept weights or an empty tensor)."""
-    out, lse, weights = module().forward(unit_stride(q), unit_stride(k), unit_stride(v), scale, causal, keep)
-    return out, lse, weights
-
-
-@attention_op.register_fake
-def fake_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                   keep: bool) -> tuple[Tensor, Tensor, Tensor]:
-    b, h, i, _ = q.shape
-    weights = q.new_empty(b, h, kept_floats(i, k.shape[-2], causal)) if keep else q.new_empty(0)
-    return heads_inner(b, i, h, v.shape[-1], q), q.new_empty(b, h, i), weights
-
-
-@torch.library.custom_op("polyformer::attention_backward", mutates_args=())
-def attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          weights: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = module().backward(unit_stride(grad), unit_stride(q), unit_stride(k), unit_stride(v),
-                                      out, lse, weights, scale, causal)
-    return dq, dk, dv
-
-
-@attention_backward_op.register_fake
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, weights: Tensor,
-      scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    b, h, i, d = q.shape
-    hk, j = k.shape[1], k.shape[2]
-    if hk == h:
-        return heads_inner(b, i, h, d, q), heads_inner(b, j, h, d, k), heads_inner(b, j, h, v.shape[-1], v)
-    return heads_inner(b, i, h, d, q), k.new_empty(b, hk, j, d), v.new_empty(b, hk, j, v.shape[-1])
-
-
-def _save(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, scale, causal, _keep = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.scale, ctx.causal = scale, causal
-    # the log-sum-exp and the kept weights get no gradient: without this, autograd would hand the
-    # backward zeros of their size (38 MB of weights per layer at seq 512 batch 8, faulted in and
-    # filled every step)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None,
-              _grad_weights: Tensor | None) -> tuple[Tensor | None, ...]:
-    if grad is None:
-        return (None,) * 6
-    q, k, v, out, lse, weights = ctx.saved_tensors
-    if torch.is_grad_enabled():             # create_graph=True: a differentiable backward
-        return (*explicit_gradients(q, k, v, grad, ctx.scale, ctx.causal), None, None, None)
-    return (*attention_backward_op(grad, q, k, v, out, lse, weights, ctx.scale, ctx.causal), None, None, None)
-
-
-attention_op.register_autograd(_backward, setup_context=_save)
-
-
-def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: float,
-                       causal: bool) -> tuple[Tensor | None, ...]:
-    """The gradients through SDPA's math backend, plain differentiable operations, so that they
-    have gradients in turn."""
-    return graph_gradients(lambda q, k, v: reference_attention(q, k, v, scale, causal), (q, k, v), grad)
-
-
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
-    """The same attention through SDPA's math backend: plain differentiable operations."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-
-
-@torch.library.custom_op("polyformer::attention_packed", mutates_args=())
-def attention_packed_op(columns: Tensor, heads: int, kv_heads: int, dim_value: int, scale: float, causal: bool,
-                        keep: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """attention_op on q, k, v unpacked from one (b, t, C) tensor, whose gradient its backward writes
-    whole."""
-    out, lse, weights = module().forward(*unpack(columns, heads, kv_heads, dim_value), scale, causal, keep)
-    return out, lse, weights
-
-
-@attention_packed_op.register_fake
-def _(columns: Tensor, heads: int, kv_heads: int, dim_value: int, scale: float, causal: bool,
-      keep: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return fake_attention(*unpack(columns, heads, kv_heads, dim_value), scale, causal, keep)
-
-
-@torch.library.custom_op("polyformer::attention_packed_backward", mutates_args=())
-def attention_packed_backward_op(grad: Tensor, columns: Tensor, out: Tensor, lse: Tensor, weights: Tensor,
-                                 heads: int, kv_heads: int, scale: float, causal: bool) -> Tensor:
-    q, k, v = unpack(columns, heads, kv_heads, out.shape[-1])
-    return module().backward_packed(unit_stride(grad), q, k, v, out, lse, weights, scale, causal)
-
-
-@attention_packed_backward_op.register_fake
-def _(grad: Tensor, columns: Tensor, out: Tensor, lse: Tensor, weights: Tensor, heads: int, kv_heads: int,
-      scale: float, causal: bool) -> Tensor:
-    return torch.empty_like(columns, memory_format=torch.contiguous_format)
-
-
-def _save_packed(ctx: Any, inputs: tuple, output: tuple) -> None:
-    columns, heads, kv_heads, dim_value, scale, causal, _keep = inputs
-    ctx.save_for_backward(columns, *output)
-    ctx.heads, ctx.kv_heads, ctx.dim_value, ctx.scale, ctx.causal = heads, kv_heads, dim_value, scale, causal
-    ctx.set_materialize_grads(False)        # as in _save
-
-
-def _backward_packed(ctx: Any, grad: Tensor | None, _grad_lse: Tensor | None,
-                     _grad_weights: Tensor | None) -> tuple[Tensor | None, ...]:
-    if grad is None:
-        return (None,) * 7
-    columns, out, lse, weights = ctx.saved_tensors
-    if torch.is_grad_enabled():             # create_graph=True: a differentiable backward
-        def attend(columns: Tensor) -> Tensor:
-            q, k, v = unpack(columns, ctx.heads, ctx.kv_heads, ctx.dim_value)
-            return reference_attention(q, k, v, ctx.scale, ctx.causal)
-        return (*graph_gradients(attend, (columns,), grad), None, None, None, None, None, None)
-    return (attention_packed_backward_op(grad, columns, out, lse, weights, ctx.heads, ctx.kv_heads, ctx.scale,
-                                         ctx.causal), None, None, None, None, None, None)
-
-
-attention_packed_op.register_autograd(_backward_packed, setup_context=_save_packed)
+__all__ = [
+    "SWITCH", "SOURCES", "ISA_FLAGS", "LONGEST_INFERENCE", "KEEP_KEYS", "KEEP_BYTES", "switched_off",
+    "recomputed_weights", "kept_floats", "keeps", "extension", "build", "applies", "built_for_graphs",
+    "attention", "packed_columns", "module", "attention_op", "attention_backward_op", "attention_packed_op",
+    "attention_packed_backward_op", "fake_attention", "explicit_gradients", "reference_attention", "band_mask",
+    "heads_inner", "unit_stride", "unpack"]

@@ -57,8 +57,11 @@ def test_block_sparse_kernel_equals_the_dense_reference(name, causal, extra, mon
     calls = []
     original = block_sparse.attention
     monkeypatch.setattr(block_sparse, "attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    mask = torch.ones(2, N, dtype=torch.bool)
-    if extra == "left_padding":
+    windowed = []
+    band = block_sparse.cpu.attention
+    monkeypatch.setattr(block_sparse.cpu, "attention", lambda *a, **k: windowed.append(k.get("window")) or band(*a, **k))
+    mask = torch.ones(2, N, dtype=torch.bool)     # "plain" passes none: a causal window then runs on the
+    if extra == "left_padding":                   # compiled CPU kernel's band (kernels/cpu.py)
         mask[0, :7] = False
     if extra == "middle_padding":
         mask[1, 20:25] = False
@@ -67,10 +70,12 @@ def test_block_sparse_kernel_equals_the_dense_reference(name, causal, extra, mon
     results = []
     for model in (sparse, reference):
         x.grad = None
-        y = model(x, mask=mask)
+        y = model(x, mask=None if extra == "plain" else mask)
         (y * grad_out).sum().backward()
         results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
     assert calls, "the block-sparse kernel did not run"
+    if extra == "plain" and name == "window" and causal:
+        assert windowed, "the causal window did not take the compiled kernel's band"
     (y1, g1, p1), (y2, g2, p2) = results
     assert torch.allclose(y1, y2, atol=1e-5), (y1 - y2).abs().max()
     assert torch.allclose(g1, g2, atol=1e-5), (g1 - g2).abs().max()
