@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from ..keywords import closest
-from .settings import PRESETS
+from .settings import PRESETS, settings_help
 
 
 def overrides(extra: list[str], flags: list[str] | None = None) -> list[tuple[str, str]]:
@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model into a run directory",
                            description="Train a model. Any setting can be overridden as --section.key VALUE "
-                                       "(sections: model, data, train; layer keywords as --model.layers.NAME).")
+                                       "(sections: model, data, train; layer keywords as --model.layers.NAME).",
+                           epilog=settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--out", required=True, help="run directory (created; with --resume, continued)")
     train.add_argument("--preset", choices=sorted(PRESETS), help="a starting point for the settings")
     train.add_argument("--config", help="a TOML or YAML file of settings, applied after the preset")

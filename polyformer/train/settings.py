@@ -77,6 +77,55 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                        "checkpoint_every": 500}},
 }
 
+# one line per setting, for `polyformer train --help` (a test keeps it complete)
+MEANING: dict[tuple[str, str], str] = {
+    ("model", "dim"): "width of the residual stream",
+    ("model", "depth"): "number of attention + feedforward layers",
+    ("model", "heads"): "attention heads",
+    ("model", "max_seq_len"): "tokens per training window (and learned positions, if any)",
+    ("model", "layers"): "layer keywords as --model.layers.NAME VALUE (any Decoder keyword, e.g. alibi_pos_emb)",
+    ("data", "paths"): "text files / folders to train on (--data.paths a.txt notes/); none: the stdlib sources",
+    ("data", "max_bytes"): "training text kept after the split (none: all of it)",
+    ("data", "tokenizer"): "byte, or bpe (trained on the corpus, saved with the run)",
+    ("data", "vocab_size"): "BPE vocabulary size",
+    ("data", "val_fraction"): "share of the files held out for validation",
+    ("train", "objective"): "lm, mlm, prefix_lm or seq2seq",
+    ("train", "task"): "seq2seq's synthetic task: copy, reverse or sort",
+    ("train", "task_length"): "seq2seq's sequence length",
+    ("train", "steps"): "optimizer steps of the run (also --steps)",
+    ("train", "batch_size"): "sequences per optimizer step (all processes together)",
+    ("train", "grad_accum"): "micro-batches the batch is split into",
+    ("train", "lr"): "peak learning rate (AdamW)",
+    ("train", "min_lr_ratio"): "cosine decay floor, as a share of lr",
+    ("train", "warmup"): "linear warmup steps",
+    ("train", "weight_decay"): "AdamW weight decay",
+    ("train", "grad_clip"): "gradient norm clip (0: none)",
+    ("train", "eval_every"): "steps between validation losses and samples",
+    ("train", "eval_batches"): "validation batches per evaluation",
+    ("train", "sample_tokens"): "tokens sampled at each evaluation",
+    ("train", "checkpoint_every"): "steps between checkpoints",
+    ("train", "keep_last"): "checkpoints kept",
+    ("train", "seed"): "seed of weights, data order and sampling",
+    ("train", "bf16"): "bfloat16 autocast",
+    ("train", "compile"): "torch.compile the model",
+    ("train", "fsdp"): "shard with FSDP under torchrun (also --fsdp)",
+    ("train", "progress"): "show a progress bar",
+}
+
+
+def settings_help() -> str:
+    """Every setting with its default and meaning, for `train --help`."""
+    lines = ["settings (--section.key VALUE; [default]):"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            name = f"{section}.{f.name}"
+            lines.append(f"  --{name:<24} {MEANING[section, f.name]} [{json.dumps(default)}]")
+    return "\n".join(lines)
+
+
+SECTIONS = {"model": ModelSettings, "data": DataSettings, "train": TrainSettings}
+
 CHOICES = {("data", "tokenizer"): ("byte", "bpe"),
            ("train", "objective"): ("lm", "mlm", "prefix_lm", "seq2seq"),
            ("train", "task"): ("copy", "reverse", "sort")}

@@ -354,3 +354,17 @@ def test_obvious_mistakes_get_one_line_and_leave_no_run_behind(tmp_path):
         assert not out.exists(), args                       # no half-made run directory
     debug = polyformer("train", *TINY, "--steps", "2", "--model.dimm", "3", "--out", str(tmp_path / "d"), "--debug")
     assert "Traceback" in debug.stderr
+
+
+def test_train_help_lists_every_setting_with_its_default():
+    import dataclasses
+
+    from polyformer.train.settings import RunSettings
+
+    shown = polyformer("train", "--help").stdout
+    for section in dataclasses.fields(RunSettings):
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            line = next((l for l in shown.splitlines() if l.strip().startswith(f"--{section.name}.{f.name} ")), None)
+            assert line is not None, f"{section.name}.{f.name} missing from train --help"
+            assert line.rstrip().endswith(f"[{json.dumps(default)}]"), line
