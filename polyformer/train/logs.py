@@ -118,20 +118,26 @@ def _step(row: dict[str, str], path: Path) -> int | None:
 
 
 class TensorBoardLog:
-    """Scalars to TensorBoard when `torch.utils.tensorboard` imports; otherwise a no-op that says so once.
+    """Scalars to TensorBoard when `torch.utils.tensorboard` imports; otherwise a no-op, which says so
+    once when TensorBoard was asked for.
 
     Args:
         log_dir: the event directory.
         resume_step: when resuming, events after this step (from the interrupted run) are purged.
+        asked: True: the user asked for TensorBoard (warn when it is missing); False: never write
+            events; None: write them when tensorboard is installed, silently otherwise.
     """
 
-    def __init__(self, log_dir: str | os.PathLike, resume_step: int | None = None):
+    def __init__(self, log_dir: str | os.PathLike, resume_step: int | None = None, asked: bool | None = None):
+        self.writer = None
+        if asked is False:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            _warn_once("tensorboard", "tensorboard is not installed: no TensorBoard events are written "
-                                      "(pip install tensorboard); the CSV log has the same numbers")
-            self.writer = None
+            if asked:
+                _warn_once("tensorboard", "tensorboard is not installed: no TensorBoard events are written "
+                                          "(pip install tensorboard); the CSV log has the same numbers")
         else:
             purge = None if resume_step is None else resume_step + 1
             self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)

@@ -55,6 +55,7 @@ class TrainSettings:
     compile: bool = False
     fsdp: bool = False
     progress: bool = True
+    tensorboard: bool | None = None     # None: events when tensorboard is installed; True: warn if it is not
 
 
 @dataclass
@@ -110,6 +111,7 @@ MEANING: dict[tuple[str, str], str] = {
     ("train", "compile"): "torch.compile the model",
     ("train", "fsdp"): "shard with FSDP under torchrun (also --fsdp)",
     ("train", "progress"): "show a progress bar",
+    ("train", "tensorboard"): "TensorBoard events: true (warn if tensorboard is missing), false, or none (when installed)",
 }
 
 

@@ -96,13 +96,13 @@ def _settings_for(run_dir: Path, preset: str | None, config_file: str | None,
     if differ:
         listed = "; ".join(f"--{dotted} is {given!r} here but {ran!r} in the run" for dotted, given, ran in differ)
         raise SystemExit(f"polyformer: --resume continues {str(run_dir)!r} with its own settings, and this command "
-                         f"differs: {listed}. Only --train.steps and --train.progress may change; drop the others "
+                         f"differs: {listed}. Only --train.steps, --train.progress and --train.tensorboard may change; drop the others "
                          "or start a new run with another --out")
     overrides = [(dotted, value) for dotted, value in overrides if dotted in CHANGEABLE]
     return _with(settings, overrides)
 
 
-CHANGEABLE = ("train.steps", "train.progress")      # what a resumed run may change: its length, its display
+CHANGEABLE = ("train.steps", "train.progress", "train.tensorboard")   # what a resume may change: length, display
 
 
 def _differences(settings: RunSettings, preset: str | None, config_file: str | None,
@@ -191,7 +191,7 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 and not t.fsdp else model
     if t.compile:
         net = torch.compile(net)
-    logs = _Logs(run_dir, step if resume else None) if rank == 0 else None
+    logs = _Logs(run_dir, step if resume else None, t.tensorboard) if rank == 0 else None
     bar = _progress(rank, t, step)
     autocast = (torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
                 if t.bf16 else contextlib.nullcontext())
@@ -257,10 +257,10 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
 
 
 class _Logs:
-    def __init__(self, run_dir: Path, resume_step: int | None):
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool | None = None):
         self.run_dir = run_dir
         self.csv = CSVLog(run_dir / "log.csv", resume_step=resume_step)
-        self.tensorboard = TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step)
+        self.tensorboard = TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step, asked=tensorboard)
 
     def write(self, step: int, train_loss: float, val_loss: float | None, lr: float, rate: float) -> None:
         row = {"step": step, "train_loss": train_loss, "val_loss": val_loss if val_loss is not None else "",

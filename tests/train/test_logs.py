@@ -93,16 +93,19 @@ def test_plot_without_matplotlib_warns_once(tmp_path, monkeypatch):
     assert not (tmp_path / "loss.png").exists()
 
 
-def test_tensorboard_is_a_no_op_when_unavailable(tmp_path, monkeypatch):
+def test_tensorboard_is_a_no_op_when_unavailable_and_warns_only_when_asked_for(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # not asked for (the default): silent
         board = TensorBoardLog(tmp_path / "tb")
     assert not board.available
     board.log(row(1))
     board.close()
+    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+        assert not TensorBoardLog(tmp_path / "tb", asked=True).available
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not TensorBoardLog(tmp_path / "tb").available
+        warnings.simplefilter("error")          # once
+        assert not TensorBoardLog(tmp_path / "tb", asked=True).available
     assert not (tmp_path / "tb").exists()
 
 
