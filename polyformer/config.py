@@ -162,5 +162,16 @@ def _revive(hint: Any, value: Any) -> Any:
     return value
 
 
+def flatten(tree: dict, head: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested dicts (a config's, a run's settings) as dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{head}{key}."))
+        else:
+            flat[f"{head}{key}"] = value
+    return flat
+
+
 def dumps(cfg: Any) -> str:
     return json.dumps(to_dict(cfg), indent=2, sort_keys=True)

@@ -23,22 +23,28 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
                           "(only 'absolute')")
     if c["is_decoder"] or c["add_cross_attention"]:
         raise Unsupported("bert: is_decoder / add_cross_attention (BERT as a decoder) is not supported")
+    return Encoder, *encoder_keywords(c, "bert")
+
+
+def encoder_keywords(c: dict[str, Any], family: str, first_position: int = 0) -> tuple[dict, dict]:
+    """The stack and wrapper keywords of BERT's encoder (also Longformer's, whose positions start at
+    row `first_position` of the table)."""
     dim, heads = c["hidden_size"], c["num_attention_heads"]
-    d = head_dim("bert", dim, heads, "hidden_size", "num_attention_heads")
+    d = head_dim(family, dim, heads, "hidden_size", "num_attention_heads")
     layers = dict(dim=dim, depth=c["num_hidden_layers"], heads=heads, attn_dim_head=d, pre_norm=False,
                   attn_qkv_bias=True, attn_out_bias=True, ff_mult=ff_mult(c["intermediate_size"], dim),
-                  norm_eps=float(c["layer_norm_eps"]), **activation(c["hidden_act"], "bert", "hidden_act"))
-    wrap: dict[str, Any] = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"],
+                  norm_eps=float(c["layer_norm_eps"]), **activation(c["hidden_act"], family, "hidden_act"))
+    wrap: dict[str, Any] = dict(num_tokens=c["vocab_size"], max_seq_len=c["max_position_embeddings"] - first_position,
                                 use_abs_pos_emb=True, post_emb_norm=True, tie_embedding=True)
     if c["type_vocab_size"]:
         wrap["embed_num_tokens"] = {"token_type": c["type_vocab_size"]}
-    return Encoder, layers, wrap
+    return layers, wrap
 
 
-def links(c: dict[str, Any]) -> list[Link]:
+def links(c: dict[str, Any], first_position: int = 0) -> list[Link]:
     dim = c["hidden_size"]
     out = [Link("token_emb.weight", ("embeddings.word_embeddings.weight",)),
-           Link("pos_emb.emb.weight", ("embeddings.position_embeddings.weight",)),
+           Link("pos_emb.emb.weight", ("embeddings.position_embeddings.weight",), offset=first_position),
            Link("post_emb_norm.weight", ("embeddings.LayerNorm.weight",)),
            Link("post_emb_norm.bias", ("embeddings.LayerNorm.bias",))]
     if c["type_vocab_size"]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import to_dict
+from ..config import flatten, to_dict
 from ..train.files import save_tensors, write_dir_atomic
 from ..wrappers import TransformerWrapper
 from .families import FAMILIES
@@ -20,16 +20,6 @@ from .family import Family, Unsupported
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # fields that change how a model runs or trains, not what it computes in eval mode
 NOT_COMPARED = {"gradient_checkpointing", "attention.fused", "attention.dropout", "ff.dropout"}
-
-
-def _flat(d: dict[str, Any], head: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{head}{key}."))
-        else:
-            flat[f"{head}{key}"] = value
-    return flat
 
 
 def facts(model: TransformerWrapper) -> dict[str, Any]:
@@ -56,7 +46,7 @@ def differences(model: TransformerWrapper, family: Family, hf_config: dict[str, 
     with torch.device("meta"):
         ref = TransformerWrapper(attn_layers=stack_cls(**layers), **wrap)
     found = []
-    mine, want = _flat(to_dict(model.attn_layers.cfg)), _flat(to_dict(ref.attn_layers.cfg))
+    mine, want = flatten(to_dict(model.attn_layers.cfg)), flatten(to_dict(ref.attn_layers.cfg))
     for key in sorted(set(mine) | set(want)):
         if key not in NOT_COMPARED and mine.get(key) != want.get(key):
             found.append(f"{key} is {mine.get(key)!r}, {family.model_type} needs {want.get(key)!r}")

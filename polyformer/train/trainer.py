@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import flatten
 from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
@@ -120,18 +121,8 @@ def _differences(settings: RunSettings, preset: str | None, config_file: str | N
         given = copy.deepcopy(settings)
         for dotted, value in overrides:
             set_value(given, dotted, value, source=f"--{dotted}")
-    ours, theirs = _flat(settings_dict(given)), _flat(settings_dict(settings))
+    ours, theirs = flatten(settings_dict(given)), flatten(settings_dict(settings))
     return [(k, ours[k], theirs.get(k)) for k in ours if k not in CHANGEABLE and ours[k] != theirs.get(k)]
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _with(settings: RunSettings, overrides: list[tuple[str, str]]) -> RunSettings:
