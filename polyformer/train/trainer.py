@@ -26,6 +26,7 @@ from .batches import Batches
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
 from .logs import CSVLog, TensorBoardLog, plot_losses
+from .progress import progress_bar
 from .objectives import Seq2Seq, token_accuracy
 from .run import CONFIG, load_run_config, model_from_run, run_config, save_run_config
 from .sample import prepare_for_sampling, sample, speculative_sample
@@ -183,12 +184,12 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     if t.compile:
         net = torch.compile(net)
     logs = _Logs(run_dir, step if resume else None, t.tensorboard) if rank == 0 else None
-    bar = _progress(rank, t, step)
+    bar = progress_bar(t.steps, step) if rank == 0 and t.progress else None
     autocast = (torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
                 if t.bf16 else contextlib.nullcontext())
     tokens_per_step = t.batch_size * t.grad_accum * (settings.model.max_seq_len if data.train is not None
                                                      else 2 * t.task_length + 1)
-    first = step
+    first = opening = step
     with Stop() as stop:
         started, last_loss = time.time(), float("nan")
         while step < t.steps:
@@ -213,7 +214,10 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
             scheduler.step()
             step += 1
             last_loss = total
-            rate = (step - first) * tokens_per_step / max(1e-9, time.time() - started)
+            now = time.time()
+            rate = (step - first) * tokens_per_step / max(1e-9, now - started)
+            if step == opening + 1:     # later rates (and the ETA) leave out the first step: kernel build, warm-up
+                started, first = now, step
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{rate:,.0f}")
@@ -222,6 +226,9 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 stop.signal = int(flag) or None
             evaluate_now = step % t.eval_every == 0 or step == t.steps
+            paused = time.time()
+            if evaluate_now and bar is not None:
+                bar.set_description("evaluating")
             metrics = evaluate(model, objective, settings, data) if evaluate_now else {}
             if logs is not None:
                 logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate)
@@ -237,6 +244,9 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                                     keep_last=t.keep_last)
                 if world > 1:
                     dist.barrier()
+            if bar is not None:
+                bar.set_description("train")
+            started += time.time() - paused     # evaluation, sampling and checkpoints are not training time
             if stop.signal is not None:
                 say(rank, f"\nstopped by signal {stop.signal} at step {step}; checkpoint saved, "
                           f"continue with --resume")
@@ -260,16 +270,6 @@ class _Logs:
         self.tensorboard.log({k: v for k, v in row.items() if v != ""})
         if val_loss is not None:
             plot_losses(self.run_dir / "log.csv", self.run_dir / "loss.png")
-
-
-def _progress(rank: int, t: Any, step: int) -> Any:
-    if rank != 0 or not t.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=t.steps, initial=step, desc="train", dynamic_ncols=True, file=sys.stderr)
 
 
 @torch.no_grad()
@@ -301,7 +301,7 @@ def _report(model: nn.Module, settings: RunSettings, data: Data, step: int, metr
             bar: Any, show: bool = True) -> None:
     text = f"step {step}: " + "  ".join(f"val {k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
     if settings.train.objective in ("lm", "prefix_lm"):
-        text += "\n" + sample(model, data.tokenizer, "\n", settings.train.sample_tokens, 0.8, 40, None, step)
+        text += "\nsample:\n" + sample(model, data.tokenizer, "\n", settings.train.sample_tokens, 0.8, 40, None, step)
     if show:
         (bar.write if bar is not None else print)(text)
 

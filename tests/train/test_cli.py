@@ -368,3 +368,13 @@ def test_train_help_lists_every_setting_with_its_default():
             line = next((l for l in shown.splitlines() if l.strip().startswith(f"--{section.name}.{f.name} ")), None)
             assert line is not None, f"{section.name}.{f.name} missing from train --help"
             assert line.rstrip().endswith(f"[{json.dumps(default)}]"), line
+
+
+def test_progress_is_plain_lines_when_not_a_terminal(tmp_path):
+    args = [a for a in TINY if a not in ("--train.progress", "false")]
+    done = polyformer("train", *args, "--steps", "4", "--train.eval_every", "2", "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr
+    lines = [l for l in done.stderr.splitlines() if l.startswith("train: step ")]
+    assert lines and lines[-1].startswith("train: step 4/4") and "tok_s" in lines[-1], done.stderr
+    assert "sample:" in done.stdout
