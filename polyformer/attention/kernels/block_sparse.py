@@ -90,28 +90,37 @@ def part_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
 
 
 def cpu_window(q: Tensor, kv: KV, parts: list[Part], k_mask: Tensor | None, bias: nn.Module | None,
-               dropout: nn.Module) -> int:
-    """w when the pattern is one causal sliding window of w keys with dilation 1 for every head (a
-    band that ends at each group's last query), queries and keys the same positions, no persistent
-    memory, key mask, score bias or dropout, and the compiled CPU kernel takes the call (float32 on
-    the CPU ...: cpu.applies); else 0."""
+               dropout: nn.Module) -> tuple[int, bool]:
+    """(w, causal) when the pattern is one sliding window with dilation 1 for every head, queries and
+    keys the same positions, no persistent memory, key mask, score bias or dropout, and the compiled
+    CPU kernel takes the call (float32 on the CPU ...: cpu.applies); else (0, _). Causal: a band of
+    w keys that ends at each group's last query (K = Q + w - 1, band 1 - w), row r sees
+    r - w < j <= r. Bidirectional: a band of h = w // 2 keys either side of each group (K = Q + 2 h,
+    band -h), row r sees |r - j| <= h; the kernel's window is then 2 h (its own half is window // 2),
+    so an odd pattern window 2 h + 1 maps to 2 h, the same band."""
     if len(parts) != 1 or kv.free or k_mask is not None or bias is not None:
-        return 0
+        return 0, False
     part = parts[0]
-    if (part.band is None or part.heads is not None or q.shape[2] != kv.k.shape[2]
-            or part.band + part.keys.shape[3] != part.queries.shape[3]):
-        return 0
+    if part.band is None or part.heads is not None or q.shape[2] != kv.k.shape[2]:
+        return 0, False
+    Q, K = part.queries.shape[3], part.keys.shape[3]
+    if part.band + K == Q:
+        window, causal = 1 - part.band, True
+    elif part.band < 0 and K - Q == -2 * part.band:
+        window, causal = -2 * part.band, False
+    else:
+        return 0, False
     p = dropout.p if dropout.training else 0.0
-    return 1 - part.band if cpu.applies(q, kv.k, kv.v, None, None, p, window=1 - part.band) else 0
+    return (window, causal) if cpu.applies(q, kv.k, kv.v, None, None, p, window=window) else (0, False)
 
 
 def attention(q: Tensor, kv: KV, q_pos: Tensor, parts: list[Part], k_mask: Tensor | None,
               bias: nn.Module | None, scale: float, dropout: nn.Module) -> Tensor:
     """q (b, h, i, d); kv's first `free` keys (persistent memory) are seen by every query without
     bias; the parts index the rest. Returns (b, h, i, dv)."""
-    window = cpu_window(q, kv, parts, k_mask, bias, dropout)
+    window, causal = cpu_window(q, kv, parts, k_mask, bias, dropout)
     if window:      # the compiled kernel computes the band alone (O(i w)), kv heads read in place
-        return cpu.attention(q, kv.k, kv.v, scale, True, window=window)
+        return cpu.attention(q, kv.k, kv.v, scale, causal, window=window)
     b, h, i, _ = q.shape
     k, v = kv.k, kv.v
     q = q * scale

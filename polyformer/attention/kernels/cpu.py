@@ -4,10 +4,11 @@ ATen's CPU flash kernel, which `scaled_dot_product_attention` runs, reaches a th
 machine's matmul rate over forward and backward. `cpu_attention.cpp` computes the same thing in blocks
 of 64 query rows whose scores against a chunk of 1024 keys are one BLAS product held in cache (a
 running maximum and sum join the chunks), skipping the causal upper triangle; with a sliding window
-(`window`: row r sees r - w < j <= r) it skips the keys below each block's band too, so that its work
-grows with length times window. In training up to KEEP_KEYS keys a row the forward keeps each block's
-weights for the backward (`keeps`); longer or larger calls recompute them in the backward from the
-forward's log-sum-exp (FlashAttention, arXiv:2205.14135). Its large outputs, gradients and kept
+(`window`: causal, row r sees r - w < j <= r; bidirectional, |r - j| <= w // 2) it skips the keys
+outside each block's band too, so that its work grows with length times window (the backward is in
+`cpu_backward.cpp`). In training up to KEEP_KEYS keys a row the forward keeps each block's weights for
+the backward (`keeps`); longer or larger calls recompute them in the backward from the forward's
+log-sum-exp (FlashAttention, arXiv:2205.14135). Its large outputs, gradients and kept
 weights come from a pool that hands the same memory out again every step (`polyformer/buffers.py`;
 the pool is in `cpu_module.cpp`). When q, k and v are the columns of one fused projection
 (`packed_columns`), the backward writes that projection's gradient whole, in place of three
@@ -47,7 +48,7 @@ from torch import Tensor
 from ...autodiff import transformed
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_module.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_backward.cpp", "cpu_module.cpp")]
 ISA_FLAGS = {                               # torch's own reading of the CPU: build for what it found
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -86,9 +87,11 @@ def kept_floats(i: int, j: int, causal: bool, window: int = 0) -> int:
     its first row's first key to its last row's last (the kernel's `kept_per_task`), in closed form so
     that symbolic sizes (torch.compile with dynamic shapes) go through: the full blocks that end within
     the keys see up to their end, the other full blocks all j keys, the last partial block min(i, j);
-    with a window w, block n starts at key max(0, 64 n - w + 1), which is 0 for n < ceil(w / 64)."""
+    with a window w, block n starts at key max(0, 64 n - w + 1), which is 0 for n < ceil(w / 64).
+    Bidirectional (i == j keys, window w: h = w // 2 keys each side), block n reads the keys from
+    max(0, 64 n - h) to min(64 n + 64 + h, i)."""
     if not causal:
-        return i * j
+        return i * j if window <= 0 else _bidirectional_kept(i, window // 2)
     full, rest = i // 64, i % 64
     within = torch.sym_min(full, j // 64)
     floats = 2048 * within * (within + 1) + 64 * j * (full - within) + rest * torch.sym_min(i, j)
@@ -100,6 +103,20 @@ def kept_floats(i: int, j: int, causal: bool, window: int = 0) -> int:
     return floats - skipped - rest * torch.sym_max(64 * full - window + 1, 0)
 
 
+def _bidirectional_kept(i: int, h: int) -> int:
+    """kept_floats of the bidirectional band, h keys each side of every row, i queries and keys: the
+    full blocks' ends min(64 n + 64 + h, i) are 64 n + 64 + h for the first (i - h) // 64 of them, i
+    after; their starts max(0, 64 n - h) are 0 up to block ceil(h / 64); the last partial block of
+    `rest` rows reads up to key i."""
+    full, rest = i // 64, i % 64
+    ends = torch.sym_min(torch.sym_max(i - h, 0) // 64, full)           # blocks whose band ends inside
+    end_sum = 32 * ends * (ends - 1) + ends * (64 + h) + (full - ends) * i
+    first = (h + 63) // 64                      # the first block whose band does not start at key 0
+    late = torch.sym_max(full - first, 0)
+    start_sum = 32 * late * (first + full - 1) - h * late
+    return 64 * (end_sum - start_sum) + rest * (i - torch.sym_max(64 * full - h, 0))
+
+
 def keeps(q: Tensor, k: Tensor, causal: bool, window: int = 0) -> bool:
     """Whether a call keeps its softmax weights for the backward instead of recomputing them from the
     log-sum-exp: when autograd records it, up to KEEP_KEYS keys and KEEP_BYTES of weights. The
@@ -107,10 +124,11 @@ def keeps(q: Tensor, k: Tensor, causal: bool, window: int = 0) -> bool:
     (paired rounds, dim 512, 8 heads): 0.06 s a step faster at seq 512 batch 8. At seq 1024 batch 4
     (71 MB of weights per layer) two paired runs gave +0.15 s and -0.02 s, not a clear gain; hence
     512. Memory is quadratic in the length; with a window it grows with length times window, and the
-    limit on keys is on those a row sees (the window).
+    limit on keys is on those a row sees (the window: w causal, 2 (w // 2) + 1 bidirectional).
     """
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    seen = min(window, k.shape[-2]) if window else k.shape[-2]      # keys a row sees, at most
+    width = window if causal else 2 * (window // 2) + 1
+    seen = min(width, k.shape[-2]) if window else k.shape[-2]       # keys a row sees, at most
     if not recording or _recompute[0] or seen > KEEP_KEYS:
         return False
     b, h, i, _ = q.shape
@@ -149,7 +167,7 @@ def build() -> Any:
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
             dropout: float, window: int = 0) -> bool:
     """Whether this call runs on the compiled kernel (builds it on the first call that would). With a
-    causal window (w > 0) inference has no length limit: the kernel computes only the band, where
+    window (w > 0, causal or not) inference has no length limit: the kernel computes only the band, where
     the alternative (the block-sparse kernel's gathers) is 5x slower at 8k keys and w = 256."""
     if mask is not None or bias is not None or dropout > 0 or q.device.type != "cpu" or k.shape[-2] == 0:
         return False
@@ -187,9 +205,11 @@ built_for_graphs._dynamo_marked_constant = True         # type: ignore[attr-defi
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: int = 0) -> Tensor:
     """softmax(q k^T scale, causal top-left aligned) v for q (b, h, i, d), k (b, hk, j, d), v (b, hk, j, dv),
     each of the hk kv heads serving h // hk query heads in a row (grouped-query attention). A window
-    w > 0 (causal only) lets row r see the keys r - w < j <= r alone: w keys, fewer in the first rows;
-    the kernel computes each block's band of keys only, O(i w) work and memory. Every row must see a
-    key (i - w < j); w >= i is plain causal attention.
+    w > 0 lets row r see, causal, the keys r - w < j <= r alone: w keys, fewer in the first rows
+    (every row must see a key: i - w < j; w >= i is plain causal attention); not causal, the keys
+    |r - j| <= w // 2 (w >= 2; queries and keys one sequence, i == j; w and w + 1 are the same band
+    for an even w; w // 2 >= i - 1 is full attention). The kernel computes each block's band of keys
+    only, O(i w) work and memory.
 
     The output is laid out as (b, i, h, dv), so merging the heads afterwards is a view. A registered
     operator (`polyformer::attention`), so that `torch.compile` keeps it in its graphs.
@@ -199,18 +219,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, windo
                            "transforms or forward-mode AD (DenseKernel keeps scaled_dot_product_attention "
                            "or its reference path there)")
     if window:
-        if not causal or window < 0:
-            raise ValueError(f"cpu.attention: a window (here {window}) needs causal=True and must be >= 0")
-        if q.shape[-2] - window >= k.shape[-2]:
-            raise ValueError(f"cpu.attention: with a window every query row must see a key: {q.shape[-2]} "
-                             f"rows, window {window}, {k.shape[-2]} keys")
-        if window >= q.shape[-2]:               # every row's band starts at key 0: plain causal attention
-            window = 0
+        window = checked_window(q.shape[-2], k.shape[-2], causal, window)
     keep = keeps(q, k, causal, window)
     columns = packed_columns(q, k, v)
     if columns is not None:
         return attention_packed_op(columns, q.shape[1], k.shape[1], v.shape[-1], scale, causal, keep, window)[0]
     return attention_op(q, k, v, scale, causal, keep, window)[0]
+
+
+def checked_window(i: int, j: int, causal: bool, window: int) -> int:
+    """The window as the kernel takes it (ValueError for one it does not): 0 where it covers every
+    row's keys."""
+    if window < 0:
+        raise ValueError(f"cpu.attention: the window must be >= 0, got {window}")
+    if causal:
+        if i - window >= j:
+            raise ValueError(f"cpu.attention: with a window every query row must see a key: {i} rows, "
+                             f"window {window}, {j} keys")
+        return 0 if window >= i else window     # every row's band starts at key 0: plain causal attention
+    if window < 2:
+        raise ValueError(f"cpu.attention: a bidirectional window sees w // 2 keys each side: it must be >= 2, "
+                         f"got {window}")
+    if i != j:
+        raise ValueError(f"cpu.attention: a bidirectional window needs queries and keys of one sequence "
+                         f"(as many): {i} queries, {j} keys")
+    return 0 if window // 2 >= i - 1 else window     # every row sees every key: full attention
 
 
 def packed_columns(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
@@ -247,6 +280,6 @@ from .cpu_ops import (  # noqa: E402
 __all__ = [
     "SWITCH", "SOURCES", "ISA_FLAGS", "LONGEST_INFERENCE", "KEEP_KEYS", "KEEP_BYTES", "switched_off",
     "recomputed_weights", "kept_floats", "keeps", "extension", "build", "applies", "built_for_graphs",
-    "attention", "packed_columns", "module", "attention_op", "attention_backward_op", "attention_packed_op",
-    "attention_packed_backward_op", "fake_attention", "explicit_gradients", "reference_attention", "band_mask",
-    "heads_inner", "unit_stride", "unpack"]
+    "attention", "checked_window", "packed_columns", "module", "attention_op", "attention_backward_op",
+    "attention_packed_op", "attention_packed_backward_op", "fake_attention", "explicit_gradients",
+    "reference_attention", "band_mask", "heads_inner", "unit_stride", "unpack"]

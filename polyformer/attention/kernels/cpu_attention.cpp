@@ -1,22 +1,22 @@
-// Exact softmax attention for float32 on the CPU, forward and backward, in blocks of query rows: the
-// arithmetic (its memory and Python bindings are in cpu_module.cpp).
+// Exact softmax attention for float32 on the CPU, in blocks of query rows: the forward and the
+// arithmetic the backward shares with it (the backward is in cpu_backward.cpp, memory and Python
+// bindings in cpu_module.cpp).
 //
 // For each (batch, head) and each block of BLOCK query rows, the scores of the block against a chunk
 // of up to CHUNK keys it may see are one BLAS product held in a per-thread buffer (BLOCK x CHUNK
 // floats, which stays in L2), the softmax runs on that buffer in place (with a running maximum and
 // sum across chunks), and a second product adds the chunk's share of the block's output. A block
-// reads only its band of keys: causal, up to its last row's position (the upper triangle skipped);
-// with a sliding window of w keys (row r sees r - w < j <= r), also from its first row's first key
-// on, so that the work is O(n w), not O(n^2).
-// The forward keeps the log-sum-exp of each row; the backward recomputes the weights from it (the
-// FlashAttention recipe, arXiv:2205.14135 section 3.1) with five products per block:
-//   S = scale Q K^T, P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
-//   dQ = scale dS K, dK += scale dS^T Q.
-// Asked to keep the weights (`keep`), the forward instead writes each block's normalised weights over
-// its band into a buffer it returns, and the backward reads them back: four products and no exp per
-// block, for memory that grows with the square of the length, or with length times window (the
-// caller decides when it pays). Parallel over (batch, head); inside a task the blocks run in order,
-// so dK and dV accumulate without races. The products go to the BLAS that PyTorch links (sgemm_).
+// reads only its band of keys, from its first row's first key to its last row's last: causal, up to
+// its last row's position (the upper triangle skipped); with a causal sliding window of w keys (row r
+// sees r - w < j <= r), also from its first row's first key on; with a bidirectional window (row r
+// sees |r - j| <= w // 2, queries and keys one sequence), w // 2 keys either side of the block. The
+// work is then O(n w), not O(n^2). Inside a chunk that straddles a row's edges the row is masked.
+// The forward keeps the log-sum-exp of each row, from which the backward recomputes the weights (the
+// FlashAttention recipe, arXiv:2205.14135 section 3.1). Asked to keep the weights (`keep`), the
+// forward instead writes each block's normalised weights over its band into a buffer it returns, for
+// the backward to read back: memory that grows with the square of the length, or with length times
+// window (the caller decides when it pays). Parallel over (batch, head); inside a task the blocks run
+// in order. The products go to the BLAS that PyTorch links (sgemm_).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,16 +39,18 @@ namespace polyformer_cpu {
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 at::Tensor pooled_tensor(std::vector<int64_t> sizes, at::ScalarType dtype);
 at::Tensor empty_floats(std::vector<int64_t> sizes);
+int64_t leading(const at::Tensor& t);
+
+// shared with cpu_backward.cpp, which declares them
+extern const int64_t BLOCK = 64;  // query rows per block
+int64_t CHUNK = 1024;             // keys per chunk: a block's scores (BLOCK x CHUNK floats) stay in L2
+std::atomic<int64_t> scored{0};   // query-key entries the score products computed (scored_entries)
 
 }  // namespace polyformer_cpu
 
 namespace {
 
 using namespace polyformer_cpu;
-
-constexpr int64_t BLOCK = 64;    // query rows per block
-int64_t CHUNK = 1024;             // keys per chunk: a block's scores (BLOCK x CHUNK floats) stay in L2
-std::atomic<int64_t> scored{0};   // query-key entries the score products computed (scored_entries)
 
 // exp(x) for x <= 0, written so that the compiler vectorises the loops that call it: x = n ln2 + f
 // with n an integer and |f| <= ln2 / 2, 2^n built in the exponent bits, e^f by its Taylor series to
@@ -100,6 +102,10 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+}  // namespace
+
+namespace polyformer_cpu {
+
 // Row-major C (m x n) = alpha op(A) op(B) + beta C, through the column-major BLAS: C^T = op(B)^T op(A)^T.
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -109,44 +115,74 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   sgemm_(&tb, &ta, &N, &M, &K, &alpha, b, &LDB, a, &LDA, &beta, c, &LDC);
 }
 
-// Keys row `row` may see: [first_key, visible). All of them, or (causal, top-left aligned) those up
-// to its own position, and with a window w > 0 (causal only) the last w of those.
-inline int64_t visible(int64_t row, int64_t keys, bool causal) {
-  return causal ? std::min(row + 1, keys) : keys;
+// The band: keys row `row` may see are [first_key, visible). All of them; or (causal, top-left
+// aligned) those up to its own position, and with a window w > 0 the last w of those; or (not causal,
+// window w > 0) those within w // 2 of its position.
+int64_t first_key(int64_t row, bool causal, int64_t window) {
+  if (window <= 0) return 0;
+  return std::max<int64_t>(row - (causal ? window - 1 : window / 2), 0);
 }
 
-inline int64_t first_key(int64_t row, int64_t window) {
-  return window > 0 ? std::max<int64_t>(row - window + 1, 0) : 0;
+int64_t visible(int64_t row, int64_t keys, bool causal, int64_t window) {
+  if (causal) return std::min(row + 1, keys);
+  return window > 0 ? std::min(row + window / 2 + 1, keys) : keys;
 }
 
 // The window as the kernels take it, checked: 0 for none, also where it covers every row's keys
-// (w >= rows: plain causal attention).
+// (causal w >= rows: plain causal attention; bidirectional w // 2 >= rows - 1: full attention).
 int64_t band(int64_t window, int64_t I, int64_t J, bool causal) {
   TORCH_CHECK(window >= 0, "cpu attention: the window must be >= 0 (0: none)");
-  TORCH_CHECK(window == 0 || causal, "cpu attention: a window needs causal attention");
-  TORCH_CHECK(window == 0 || I - window < J,
-              "cpu attention: with a window every query row must see a key (rows - window < keys)");
-  return window >= I ? 0 : window;
+  if (window == 0) return 0;
+  if (causal) {
+    TORCH_CHECK(I - window < J,
+                "cpu attention: with a window every query row must see a key (rows - window < keys)");
+    return window >= I ? 0 : window;
+  }
+  TORCH_CHECK(window >= 2, "cpu attention: a bidirectional window must be >= 2 (w // 2 keys each side)");
+  TORCH_CHECK(I == J, "cpu attention: a bidirectional window needs as many queries as keys (one sequence)");
+  return window / 2 >= I - 1 ? 0 : window;
 }
 
-struct Matrix {           // one (batch, head) slice of a (b, h, t, d) tensor with unit stride in d
+// One (batch, head) slice of a (b, h, t, d) tensor with unit stride in d (Matrix: the same definition
+// in cpu_backward.cpp)
+struct Matrix {
   const float* data;
   int64_t ld;
 };
 
-// The BLAS wants a leading dimension of at least the row length; a length-1 sequence dimension may
-// carry any stride (torch ignores it), so its rows are given the row length.
-inline int64_t leading(const at::Tensor& t) {
-  return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
-}
-
-inline Matrix slice(const at::Tensor& t, int64_t b, int64_t h) {
+Matrix slice(const at::Tensor& t, int64_t b, int64_t h) {
   return {t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1), leading(t)};
 }
 
-inline float* slice_mut(at::Tensor& t, int64_t b, int64_t h) {
+float* slice_mut(at::Tensor& t, int64_t b, int64_t h) {
   return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
 }
+
+// The backward's recomputed weights: P (cols x rows, key-major) holds the scaled scores of keys
+// j0.. against the rows i0..; each becomes exp(score - lse of its row) where the row sees the key,
+// else 0. L: the rows' log-sum-exp from i0 on.
+void weights_from_lse(float* P, int64_t cols, int64_t rows, int64_t j0, int64_t i0, const float* L,
+                      bool causal, int64_t window) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float* p = P + c * rows;
+    const int64_t key = j0 + c;
+    // the rows that see the key: [first, last)
+    int64_t first = 0, last = rows;
+    if (causal) first = std::min(std::max<int64_t>(key - i0, 0), rows);
+    if (window > 0) {
+      if (!causal) first = std::min(std::max<int64_t>(key - window / 2 - i0, 0), rows);
+      last = std::max(std::min(key + (causal ? window : window / 2 + 1) - i0, rows), first);
+    }
+    for (int64_t r = 0; r < first; ++r) p[r] = 0.f;
+#pragma omp simd
+    for (int64_t r = first; r < last; ++r) p[r] = exp_nonpositive(p[r] - L[r]);
+    for (int64_t r = last; r < rows; ++r) p[r] = 0.f;
+  }
+}
+
+}  // namespace polyformer_cpu
+
+namespace {
 
 // Row-major P (rows x cols) = softmax(S) in place for a block whose rows start at query i0 and whose
 // columns are the keys from j0 on (the block's band), each row's log-sum-exp into L. Every row sees
@@ -155,7 +191,8 @@ void softmax_rows(float* P, int64_t rows, int64_t cols, int64_t i0, int64_t j0, 
                   int64_t window, float* L) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = P + r * cols;
-    const int64_t a = first_key(i0 + r, window) - j0, n = visible(i0 + r, j0 + cols, causal) - j0;
+    const int64_t a = first_key(i0 + r, causal, window) - j0;
+    const int64_t n = visible(i0 + r, j0 + cols, causal, window) - j0;
     const float m = row_max(s + a, n - a);
     const float sum = exp_shifted(s + a, n - a, m);
     const float inv = 1.f / sum;
@@ -178,7 +215,7 @@ int64_t kept_per_task(int64_t I, int64_t J, bool causal, int64_t window) {
   int64_t n = 0;
   for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
     const int64_t rows = std::min(BLOCK, I - i0);
-    n += rows * (visible(i0 + rows - 1, J, causal) - first_key(i0, window));
+    n += rows * (visible(i0 + rows - 1, J, causal, window) - first_key(i0, causal, window));
   }
   return n;
 }
@@ -223,7 +260,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       float* W = keep ? weights.data_ptr<float>() + task * per_task : nullptr;
       for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
         const int64_t rows = std::min(BLOCK, I - i0);
-        const int64_t lo = first_key(i0, window), keys = visible(i0 + rows - 1, J, causal);
+        const int64_t lo = first_key(i0, causal, window), keys = visible(i0 + rows - 1, J, causal, window);
         const float* Qb = Q.data + i0 * Q.ld;
         float* Ob = slice_mut(out, b, h) + i0 * ldo;
         if (keep) {               // all the block's keys at once, its weights kept
@@ -247,8 +284,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
           for (int64_t r = 0; r < rows; ++r) {
             float* s = S + r * cols;
             // the columns this row sees here: [a, n)
-            const int64_t a = std::min(std::max<int64_t>(first_key(i0 + r, window) - j0, 0), cols);
-            const int64_t n = std::min(visible(i0 + r, keys, causal) - j0, cols);
+            const int64_t a = std::min(std::max<int64_t>(first_key(i0 + r, causal, window) - j0, 0), cols);
+            const int64_t n = std::min(visible(i0 + r, keys, causal, window) - j0, cols);
             if (n <= a) {
               std::fill_n(s, cols, 0.f);
               rescale[r] = 1.f;
@@ -287,113 +324,6 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     scored += work;
   });
   return {out, lse, weights};
-}
-
-// dq (b, h, i, d), and dk, dv per query head (b, h, j, d*), zeroed, for grad_out (b, h, i, dv) given the
-// forward's out, lse and weights (kept, or empty: recomputed); any layout with unit stride in d.
-void backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                   const at::Tensor& weights, double scale, bool causal, int64_t window, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv) {
-  check_inputs(q, k, v);
-  TORCH_CHECK(grad_out.stride(3) == 1 && leading(grad_out) >= grad_out.size(3) && out.stride(3) == 1 &&
-                  lse.is_contiguous(),
-              "cpu attention backward: unexpected layout of grad_out, out or lse");
-  const int64_t B = q.size(0), H = q.size(1), I = q.size(2), J = k.size(2), D = q.size(3),
-                DV = v.size(3);
-  window = band(window, I, J, causal);
-  const bool kept = weights.numel() > 0;
-  const int64_t per_task = kept_per_task(I, J, causal, window);
-  TORCH_CHECK(!kept || (weights.is_contiguous() && weights.dim() == 3 && weights.size(0) == B &&
-                        weights.size(1) == H && weights.size(2) == per_task),
-              "cpu attention backward: the kept weights do not match q and k");
-  const int64_t group = H / k.size(1);
-  const float alpha = static_cast<float>(scale);
-
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    const int64_t chunk_max = std::min(CHUNK, J);
-    std::vector<float> p_buf(kept ? 0 : BLOCK * chunk_max), dp_buf(BLOCK * (kept ? J : chunk_max)),
-        delta(BLOCK);
-    int64_t work = 0;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
-      const Matrix Q = slice(q, b, h), K = slice(k, b, h / group), V = slice(v, b, h / group);
-      const Matrix dO = slice(grad_out, b, h), O = slice(out, b, h);
-      const float* L = lse.data_ptr<float>() + (b * H + h) * I;
-      float* dQ = slice_mut(dq, b, h);
-      float* dK = slice_mut(dk, b, h);
-      float* dV = slice_mut(dv, b, h);
-      const int64_t ldq = dq.stride(2), ldk = dk.stride(2), ldv = dv.stride(2);
-      const float* W = kept ? weights.data_ptr<float>() + task * per_task : nullptr;
-      for (int64_t i0 = 0; i0 < I; i0 += BLOCK) {
-        const int64_t rows = std::min(BLOCK, I - i0);
-        const int64_t lo = first_key(i0, window), keys = visible(i0 + rows - 1, J, causal);
-        float* P = p_buf.data();
-        float* dP = dp_buf.data();
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* o = O.data + (i0 + r) * O.ld;
-          const float* g = dO.data + (i0 + r) * dO.ld;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t c = 0; c < DV; ++c) acc += o[c] * g[c];
-          delta[r] = acc;
-        }
-        const float* Qb = Q.data + i0 * Q.ld;
-        const float* dOb = dO.data + i0 * dO.ld;
-        if (kept) {               // the forward's weights, row-major over the block's band of keys
-          const int64_t width = keys - lo;
-          const float* Pk = W;
-          W += rows * width;
-          gemm(true, false, width, DV, rows, 1.f, Pk, width, dOb, dO.ld, 1.f, dV + lo * ldv, ldv);
-          gemm(false, true, rows, width, DV, 1.f, dOb, dO.ld, V.data + lo * V.ld, V.ld, 0.f, dP, width);
-          work += rows * width;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* p = Pk + r * width;
-            float* ds = dP + r * width;
-            const float dr = delta[r];
-#pragma omp simd
-            for (int64_t c = 0; c < width; ++c) ds[c] = p[c] * (ds[c] - dr);
-          }
-          gemm(false, false, rows, D, width, alpha, dP, width, K.data + lo * K.ld, K.ld, 0.f, dQ + i0 * ldq,
-               ldq);
-          gemm(true, false, width, D, rows, alpha, dP, width, Qb, Q.ld, 1.f, dK + lo * ldk, ldk);
-          continue;
-        }
-        // key chunks of the band; transposed blocks (cols x rows): the two products that accumulate
-        // into dK and dV then read their left operand in order, which the BLAS runs about a quarter
-        // faster
-        for (int64_t j0 = lo; j0 < keys; j0 += CHUNK) {
-          const int64_t cols = std::min(CHUNK, keys - j0);
-          const float* Kc = K.data + j0 * K.ld;
-          gemm(false, true, cols, rows, D, alpha, Kc, K.ld, Qb, Q.ld, 0.f, P, rows);
-          work += rows * cols;
-          for (int64_t c = 0; c < cols; ++c) {
-            float* p = P + c * rows;
-            // the rows that see key j0 + c: [first, last)
-            const int64_t first = causal ? std::min(std::max<int64_t>(j0 + c - i0, 0), rows) : 0;
-            const int64_t last =
-                window > 0 ? std::max(std::min(j0 + c + window - i0, rows), first) : rows;
-            for (int64_t r = 0; r < first; ++r) p[r] = 0.f;
-#pragma omp simd
-            for (int64_t r = first; r < last; ++r) p[r] = exp_nonpositive(p[r] - L[i0 + r]);
-            for (int64_t r = last; r < rows; ++r) p[r] = 0.f;
-          }
-          gemm(false, false, cols, DV, rows, 1.f, P, rows, dOb, dO.ld, 1.f, dV + j0 * ldv, ldv);
-          gemm(false, true, cols, rows, DV, 1.f, V.data + j0 * V.ld, V.ld, dOb, dO.ld, 0.f, dP, rows);
-          for (int64_t c = 0; c < cols; ++c) {
-            const float* p = P + c * rows;
-            float* ds = dP + c * rows;
-#pragma omp simd
-            for (int64_t r = 0; r < rows; ++r) ds[r] = p[r] * (ds[r] - delta[r]);
-          }
-          gemm(true, false, rows, D, cols, alpha, dP, rows, Kc, K.ld, j0 == lo ? 0.f : 1.f, dQ + i0 * ldq,
-               ldq);
-          gemm(false, false, cols, D, rows, alpha, dP, rows, Qb, Q.ld, 1.f, dK + j0 * ldk, ldk);
-        }
-      }
-    }
-    scored += work;
-  });
 }
 
 }  // namespace polyformer_cpu

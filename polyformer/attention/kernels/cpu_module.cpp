@@ -1,7 +1,7 @@
 // The CPU attention extension's memory and its Python face: the buffer pool its large tensors come
 // from, the checks of the tensors it is handed, the gradient tensors the backward entry points
-// allocate around the kernels of cpu_attention.cpp (that file holds the attention arithmetic), and
-// the module's bindings.
+// allocate around the kernels of cpu_attention.cpp and cpu_backward.cpp (those files hold the
+// attention arithmetic), and the module's bindings.
 //
 // The buffers come from a pool that hands a buffer out again once nothing else holds it, so that the
 // steps of a training loop write into memory the process has already touched (polyformer/buffers.py).
@@ -20,12 +20,14 @@ namespace polyformer_cpu {
 int64_t kept_per_task(int64_t I, int64_t J, bool causal, int64_t window);
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 double scale, bool causal, bool keep, int64_t window);
+void set_chunk(int64_t keys);
+int64_t scored_entries(bool reset);
+
+// defined in cpu_backward.cpp
 void backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                    const at::Tensor& weights, double scale, bool causal, int64_t window, at::Tensor& dq,
                    at::Tensor& dk, at::Tensor& dv);
-void set_chunk(int64_t keys);
-int64_t scored_entries(bool reset);
 
 }  // namespace polyformer_cpu
 
@@ -123,9 +125,9 @@ std::vector<int64_t> pool_state(bool release) {
 }
 
 // The BLAS wants a leading dimension of at least the row length; a length-1 sequence dimension may
-// carry any stride (torch ignores it), so its rows are given the row length (as cpu_attention.cpp reads
-// them).
-inline int64_t leading(const at::Tensor& t) {
+// carry any stride (torch ignores it), so its rows are given the row length (the kernels read them so:
+// cpu_attention.cpp's slice).
+int64_t leading(const at::Tensor& t) {
   return t.size(2) <= 1 ? std::max<int64_t>(t.size(3), 1) : t.stride(2);
 }
 

@@ -4,7 +4,8 @@ implementations for tracing and their autograd formulas. `cpu.py` builds the ker
 runs and calls these; its `attention` is the public entry and re-exports every name here.
 
 Each operator takes a `window` last (default 0: none): with causal attention, row r then sees the keys
-r - w < j <= r, and the kernel computes only each block's band of keys (`cpu_attention.cpp`).
+r - w < j <= r; without, |r - j| <= w // 2 (queries and keys one sequence); the kernel computes only
+each block's band of keys (`cpu_attention.cpp`, `cpu_backward.cpp`).
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ def explicit_gradients(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, scale: flo
     return graph_gradients(lambda q, k, v: reference_attention(q, k, v, scale, causal, window), (q, k, v), grad)
 
 
-def band_mask(i: int, j: int, window: int, device: torch.device) -> Tensor:
-    """(i, j) bool: row r sees the keys r - window < j <= r (top-left aligned)."""
+def band_mask(i: int, j: int, window: int, device: torch.device, causal: bool = True) -> Tensor:
+    """(i, j) bool: row r sees the keys r - window < j <= r (top-left aligned), or (not causal)
+    |r - j| <= window // 2."""
     ones = torch.ones(i, j, dtype=torch.bool, device=device)
+    if not causal:
+        return ones.tril(window // 2) & ~ones.tril(-(window // 2) - 1)
     return ones.tril() & ~ones.tril(-window)
 
 
@@ -117,7 +121,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: b
     """The same attention through SDPA's math backend: plain differentiable operations."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mask = band_mask(q.shape[-2], k.shape[-2], window, q.device) if window else None
+    mask = band_mask(q.shape[-2], k.shape[-2], window, q.device, causal) if window else None
     with sdpa_kernel(SDPBackend.MATH):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and not window, scale=scale,
