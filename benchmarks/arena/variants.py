@@ -67,8 +67,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # --- sparse patterns (attention/patterns/): cost n x visible keys, computed sparse ---------
     Variant("window", "sliding window: each query sees the last 256 keys (both sides: 128 each)",
             "arXiv:2004.05150", layers=dict(rotary_pos_emb=True, attn_window=256), tasks=SPARSE),
-    Variant("window_sinks", "sliding window of 256 keys plus 4 attention sinks (StreamingLLM)",
-            "arXiv:2309.17453", layers=dict(rotary_pos_emb=True, attn_window=256, attn_sink_tokens=4),
+    Variant("window_sinks", "sliding window of 64 keys plus 4 attention sinks (StreamingLLM)",
+            "arXiv:2309.17453", layers=dict(rotary_pos_emb=True, attn_window=64, attn_sink_tokens=4),
             tasks=("extrapolation",), causal_only=True),
     Variant("dilated_window", "a window of 128 keys spaced 2 apart (Longformer's dilation)", "arXiv:2004.05150",
             layers=dict(rotary_pos_emb=True, attn_window=128, attn_window_dilation=2), tasks=SPARSE),
