@@ -24,7 +24,10 @@ bias or dropout, outside export, tracing, autocast, torch.func transforms and fo
 in training (forward + backward is faster at every length measured, 1.08x at 8k keys), and without
 autograd up to LONGEST_INFERENCE keys, past which ATen's forward is as fast or faster. Everything
 else keeps `scaled_dot_product_attention`. It is built once per machine on first use with
-`torch.utils.cpp_extension` (a C++ compiler and ninja; about 30 s) into PyTorch's extension cache. It
+`torch.utils.cpp_extension` (a C++ compiler and ninja; about 30 s, announced by one line on stderr) into
+PyTorch's extension cache, under a name made from its sources' bytes, the flags and torch's version
+(`cache_name`), from copies of the sources kept there: a checkout with other sources never loads or
+overwrites this build, and checkouts of the same sources share it without rebuilding. It
 is a registered operator (`polyformer::attention`), so `torch.compile` keeps it in its graphs;
 compiling first builds it too. Where it cannot be built, one warning says why and
 `scaled_dot_product_attention` runs instead.
@@ -33,9 +36,11 @@ compiling first builds it too. Where it cannot be built, one warning says why an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -150,18 +155,43 @@ def extension() -> Any | None:
     return _built.get("module")
 
 
+def cache_name(sources: list[Path], flags: list[str], isa: str) -> str:
+    """The build's name: the sources' bytes, the flags and torch's version decide it, so a checkout
+    with other sources never overwrites (or loads) this one's build, and every checkout of the same
+    sources shares it."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(flags).encode() + torch.__version__.encode())
+    return f"polyformer_cpu_attention_{isa.lower()}_{digest.hexdigest()[:16]}"
+
+
 def build() -> Any:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     if shutil.which("ninja") is None:       # the `ninja` package's binary, when its bin/ is not on PATH
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     isa = torch.backends.cpu.get_cpu_capability()
-    logging.getLogger("polyformer").info("building the CPU attention kernel for %s (once)", isa)
-    return load(name=f"polyformer_cpu_attention_{isa.lower()}", sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"],
-                verbose=False)
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])]
+    name = cache_name(SOURCES, flags, isa)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    # build from copies under the cache: two checkouts then give ninja the same paths, not a rebuild each
+    src = root / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for path in SOURCES:
+        target = src / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            partial = target.with_name(f".{target.name}.{os.getpid()}")
+            partial.write_bytes(path.read_bytes())
+            os.replace(partial, target)
+    if not (root / f"{name}.so").exists():
+        print(f"polyformer: building the CPU attention kernel for {isa} (once per machine and source version, "
+              f"about 30 s) in {root}", file=sys.stderr, flush=True)
+    logging.getLogger("polyformer").info("loading the CPU attention kernel from %s", root)
+    return load(name=name, sources=[str(src / p.name) for p in SOURCES], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], build_directory=str(root), verbose=False)
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
