@@ -29,7 +29,7 @@ from typing import Any
 
 from ...inference_worker import is_out_of_memory, reset_peak, status_kib
 
-PRIMER = 16            # tokens of the untimed first step before the baseline (see measure)
+PRIMER = 16            # tokens of the untimed first step before the baseline (see measure), or the variant's min_len
 
 
 def mib(field: str) -> float:
@@ -77,7 +77,8 @@ def measure(args: argparse.Namespace, result: dict[str, Any]) -> None:
         # one untimed step on PRIMER tokens first: one-time costs of the first call (loading a compiled
         # kernel and its OpenMP runtime, autograd's engine; 88 MiB for dense, 14 MiB on SDPA, at any
         # length) join the baseline, so the peak is what the length costs, not what the process does once
-        step(torch.randn(1, min(PRIMER, args.length), args.dim, generator=gen).requires_grad_(True))
+        primer = min(max(PRIMER, v.min_len), args.length)       # a variant's shortest input (BigBird's blocks)
+        step(torch.randn(1, primer, args.dim, generator=gen).requires_grad_(True))
         result["baseline_rss_mib"] = mib("VmRSS")
         result["peak_reset"] = reset_peak()
         warm = [time_once(step)[0] for _ in range(args.warmup)]
