@@ -17,6 +17,8 @@ from torch.testing import assert_close
 from polyformer import Encoder
 from polyformer.attention.kernels import block_sparse, cpu
 
+from .test_cpu_window import grads, leaves, path  # noqa: F401  (path: the backward-path fixture)
+
 
 def reference(q, k, v, scale, window):
     """Dense softmax attention with the band mask spelled out: keep |r - j| <= window // 2."""
@@ -27,28 +29,6 @@ def reference(q, k, v, scale, window):
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     return torch.einsum("bhij,bhjd->bhid", weights, v)
-
-
-def leaves(*shapes, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
-
-
-def grads(fn, q, k, v, grad_out):
-    out = fn(q, k, v)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-
-
-@pytest.fixture(params=["kept", "recomputed", "recomputed-chunk48", "recomputed-chunk7"])
-def path(request):
-    """The backward's two ways to the weights: kept by the forward, or recomputed from the log-sum-exp
-    in chunks of the default 1024 keys, of 48, or of 7 (a row's band may then start and end several
-    chunks from its block's, and chunks straddle both its edges)."""
-    chunk = int(request.param.split("chunk")[1]) if "chunk" in request.param else 1024
-    cpu.extension().set_chunk(chunk)
-    with contextlib.nullcontext() if request.param == "kept" else cpu.recomputed_weights():
-        yield request.param
-    cpu.extension().set_chunk(1024)
 
 
 @pytest.mark.parametrize("n", [1, 5, 70, 130, 257])
