@@ -144,7 +144,9 @@ def decode_state(stack: "AttentionLayers", state: "DecodeState", x: Tensor, mems
 
 def global_mask(stack: "AttentionLayers", mask: object, x: Tensor) -> None:
     """global_mask (b, n) bool marks global tokens of an Encoder with an attention pattern."""
-    if not stack.cfg.attention.pattern or any(c.name == "dilated" for c in stack.cfg.attention.pattern):
+    from .attention.patterns import takes_global_mask
+
+    if not takes_global_mask(stack.cfg.attention.pattern):
         raise ValueError("global_mask marks global tokens of an attention pattern; the stack has none that takes "
                          "them (set attn_window, attn_sparse, ... ; attn_dilated takes none)")
     if stack.causal:

@@ -220,20 +220,25 @@ def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> La
 
 
 def _pattern(fields: dict[str, dict[str, Any]], keywords: dict[str, str]) -> tuple[Choice, ...]:
-    """The pattern pieces' choices, in the registry's order, from their options' fields."""
-    from .attention.patterns import KEYWORD
+    """The pattern pieces' choices, in the registry's order, from their options' fields; a piece
+    missing a required option names the keywords given and the keyword it needs."""
+    import dataclasses
+
     from .registry import PATTERN
 
     choices = []
     for name in PATTERN:
         if name not in fields:
             continue
-        try:
-            options = PATTERN[name].options(**fields[name])
-        except TypeError:
+        options = PATTERN[name].options
+        missing = [f.name for f in dataclasses.fields(options) if f.name not in fields[name]
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
             given = sorted({k for path, k in keywords.items() if path.startswith(f"attention.pattern.{name}")})
-            raise ValueError(f"{' / '.join(given)} need(s) {KEYWORD[name]}") from None
-        choices.append(Choice("pattern", name, options))
+            needed = sorted({k for k, route in KEYWORDS.items() if route.path is not None and any(
+                route.path in (f"attention.pattern.{name}.{m}", f"attention.pattern.{name}") for m in missing)})
+            raise ValueError(f"{' / '.join(given)} need(s) {' and '.join(needed)}")
+        choices.append(Choice("pattern", name, options(**fields[name])))
     return tuple(choices)
 
 

@@ -174,9 +174,9 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
 
         found = problems(cfg.attention.pattern, cfg.attention.heads, cfg.causal)
         if cfg.only_cross:
-            from .attention.patterns import KEYWORD
+            from .attention.patterns import keyword
 
-            named = " / ".join(KEYWORD[c.name] for c in cfg.attention.pattern)
+            named = " / ".join(keyword(c.name) for c in cfg.attention.pattern)
             found.append(f"{named} shape(s) self-attention; only_cross=True has none")
         if found:
             raise ValueError(f"{owner}: " + found[0])

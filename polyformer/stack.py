@@ -171,9 +171,19 @@ class AttentionLayers(nn.Module):
                 post_norm=norm() if cfg.placement == "post" else None,
                 shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
+        self.window = self._decode_window()
         self.num_self_attn = n_self
         self.has_cross = "c" in layout
         self.final_norm = norm() if cfg.placement in ("pre", "sandwich") else None
+
+    def _decode_window(self) -> tuple[int, int] | None:
+        """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
+        positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
+        keeps just those (`window`, read by generation at every step). None otherwise."""
+        stages = [b.branch.pattern for b in self.blocks if b.kind == "a"]
+        if not stages or any(s is None or s.decode != "window" for s in stages):
+            return None
+        return stages[0].sinks, stages[0].span
 
     @staticmethod
     def next_positions(n: int, mems: list[Tensor] | None, state: DecodeState | None,
@@ -198,16 +208,6 @@ class AttentionLayers(nn.Module):
         param = next(self.parameters())
         return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
                            device=device or param.device)
-
-    @property
-    def window(self) -> tuple[int, int] | None:
-        """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
-        positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
-        keeps just those. None otherwise."""
-        stages = [b.branch.pattern for b in self.blocks if b.kind == "a"]
-        if not stages or any(s is None or s.decode != "window" for s in stages):
-            return None
-        return stages[0].sinks, stages[0].span
 
     @property
     def has_pos_emb(self) -> bool:

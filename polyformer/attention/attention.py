@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..autodiff import needs_reference
 from ..config import AttentionConfig
 from ..interfaces import KV, AttnOut, Context
+from ..precision import upcast
 from ..registry import KERNEL, NORMALIZE, POSITION
-from ..autodiff import needs_reference
 from . import patterns
 from .global_queries import GlobalQueries
 from .kernels import block_sparse
@@ -85,25 +86,25 @@ class Attention(nn.Module):
         if ctx.prefix_span is not None:
             raise ValueError("prefix_len cannot combine with an attention pattern (attn_window, attn_sparse, ...)")
         nk, n = kv.k.shape[2] - kv.free, q.shape[2]
-        flags = None if ctx.global_mask is None else F.pad(ctx.global_mask, (nk - n, 0), value=False)
-        self.pattern.bind(flags, nk - n, nk, int(kv.pos.max()))
+        if "pattern" not in ctx.memo:   # the blocks of a kind share keys' positions in one forward
+            flags = None if ctx.global_mask is None else F.pad(ctx.global_mask, (nk - n, 0), value=False)
+            ctx.memo["pattern"] = self.pattern.geometry(ctx.pos, kv.pos, kv.mask, flags)
+        geo = ctx.memo["pattern"]
         bias = self._bias[0] if self._bias else None
-        fast = (self.kernel.can_fuse and prev_scores is None and not ctx.need_weights
-                and not needs_reference(q, kv.k, kv.v))
-        geo = patterns.Geometry.of(ctx.pos, kv.pos, kv.mask, self.causal, q.shape[1], flags) if fast else None
-        if geo is not None:
+        if (geo.run and self.kernel.can_fuse and prev_scores is None and not ctx.need_weights
+                and not needs_reference(q, kv.k, kv.v)):
             key = ("pattern", self.pattern.layer_key)
             if key not in ctx.memo:
                 ctx.memo[key] = self.pattern.parts(geo)
             return AttnOut(block_sparse.attention(q, kv, ctx.pos, ctx.memo[key], kv.mask, bias,
                                                   self.kernel.scale, self.kernel.dropout))
-        counts = self.pattern.counts(ctx.pos, kv.pos, nk - n)                 # (z, h, i, j)
+        counts = self.pattern.counts(geo)                                     # (z, h, i, j)
         keep = counts > 0
         if kv.mask is not None:
             keep = keep & kv.mask[:, None, None, :]
         scores = bias(ctx.pos, kv.pos) if bias is not None else None
         if self.pattern.mixture:            # a key shown by c configurations weighs c times
-            extra = counts.clamp(min=1).float().log()
+            extra = upcast(counts.clamp(min=1).to(q.dtype)).log()
             scores = extra if scores is None else scores + extra
         if kv.free:
             keep = F.pad(keep, (kv.free, 0), value=True)

@@ -5,7 +5,6 @@ the global tokens' keys from them)."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...interfaces import KV
+from ...precision import upcast
 from ..patterns.layout import Pairs, Part, take
 from . import cpu
 
@@ -68,10 +69,10 @@ def part_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     keep = part.keep(pr) & (part.queries >= 0)[..., None] & (part.keys >= 0)[..., None, :]
     if k_mask is not None:
         keep = keep & take(k_mask, part.keys)[..., None, :]
-    add = torch.zeros(keep.shape, dtype=torch.float32, device=q.device).masked_fill_(~keep, HIDDEN)
+    scores = upcast(torch.matmul(qg, kg.transpose(-1, -2)))          # (b, hp, G, Q, K), float32 at least
+    add = torch.zeros(keep.shape, dtype=scores.dtype, device=q.device).masked_fill_(~keep, HIDDEN)
     if bias is not None:
-        add = add + bias.aligned(qp, kp, heads).float()
-    scores = torch.matmul(qg, kg.transpose(-1, -2)).float()        # (b, hp, G, Q, K)
+        add = add + bias.aligned(qp, kp, heads).to(scores.dtype)
     scores = scores + add if scores.requires_grad and not torch.is_inference_mode_enabled() else scores.add_(add)
     weights = scores.softmax(-1)
     lse = scores.logsumexp(-1) if need_lse else None                # (b, hp, G, Q)
@@ -129,7 +130,7 @@ def attention(q: Tensor, kv: KV, q_pos: Tensor, parts: list[Part], k_mask: Tenso
     outs, lses = [], []
     single = len(parts) + bool(kv.free) == 1 and parts[0].heads is None
     if kv.free:
-        scores = torch.matmul(q, k[:, :, : kv.free].transpose(-1, -2)).float()
+        scores = upcast(torch.matmul(q, k[:, :, : kv.free].transpose(-1, -2)))
         outs.append(torch.matmul(dropout(scores.softmax(-1)).to(v.dtype), v[:, :, : kv.free]))
         lses.append(scores.logsumexp(-1))
         k, v = k[:, :, kv.free:], v[:, :, kv.free:]

@@ -3,6 +3,7 @@ pieces, each a pure definition on positions that yields a dense mask and a block
 
 from .base import causal, prefix_causal
 from .layout import Geometry
-from .stage import KEYWORD, PIECES, PatternStage, own_projections, problems
+from .stage import PIECES, PatternStage, keyword, own_projections, problems, takes_global_mask
 
-__all__ = ["Geometry", "causal", "prefix_causal", "PIECES", "KEYWORD", "PatternStage", "own_projections", "problems"]
+__all__ = ["Geometry", "causal", "prefix_causal", "PIECES", "keyword", "PatternStage", "own_projections", "problems",
+           "takes_global_mask"]

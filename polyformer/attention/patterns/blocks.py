@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...interfaces import Caps
-from .layout import Geometry, Pairs, Part, blocks, causal_ok, keys_at, position_blocks, select
+from .layout import Geometry, Pairs, Part, blocks, causal_ok, keys_at, position_blocks, rule, select
 
 GROUP = 64
 
@@ -43,7 +43,7 @@ class BlockLocal:
                     f"got {(opts.query_block, opts.memory)!r}"]
         return []
 
-    def sees(self, pr: Pairs) -> Tensor:
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
         start = (pr.qp // self.q) * self.q
         end = start + self.q + (0 if self.causal else self.m)
         return (pr.kp >= start - self.m) & (pr.kp < end) & causal_ok(pr, self.causal)
@@ -52,7 +52,7 @@ class BlockLocal:
         queries, number = position_blocks(geo, self.q)                     # (z, G, q)
         width = self.m + self.q + (0 if self.causal else self.m)
         positions = number[:, None] * self.q - self.m + torch.arange(width, device=geo.device)
-        return [Part(queries[:, None], keys_at(geo, positions)[:, None], self.sees)]
+        return [Part(queries[:, None], keys_at(geo, positions)[:, None], rule(self.sees, geo))]
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,14 @@ class Summary:
     def __init__(self, stride: int, summary: int, causal: bool):
         self.l, self.c, self.causal = stride, summary, causal
 
-    def sees(self, pr: Pairs) -> Tensor:
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
         return (pr.kp % self.l >= self.l - self.c) & causal_ok(pr, self.causal)
 
     def parts(self, geo: Geometry) -> list[Part]:
         keys = select(geo.k_pos.expand(geo.off.shape[0], -1) % self.l >= self.l - self.c)     # (z, M)
         queries = blocks(geo.nq, GROUP, geo.device)
-        return [Part(queries[None, None], keys[:, None, None].expand(-1, 1, queries.shape[0], -1), self.sees)]
+        return [Part(queries[None, None], keys[:, None, None].expand(-1, 1, queries.shape[0], -1),
+                     rule(self.sees, geo))]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,6 @@ class Blockwise:
 
     def __init__(self, m: int, heads: int):
         self.m, self.heads = m, heads
-        self.size = 1                   # block length, ceil(n / m): set per forward by `bind`
 
     @classmethod
     def build(cls, opts: BlockwiseOptions, *, heads: int, causal: bool, layer: int = 0,
@@ -104,26 +104,25 @@ class Blockwise:
         if heads % opts.blocks:
             return [f"attn_blockwise = {opts.blocks} splits the heads over {opts.blocks} block shifts: heads "
                     f"({heads}) must be a multiple of it"]
-        if causal:
-            return ["attn_blockwise lets a block attend to later blocks (BlockBERT is bidirectional): it cannot "
-                    "be causal (causal=True, a Decoder); use it on an Encoder"]
         return []
 
-    def bind(self, flags: Tensor | None, shift: int, nk: int) -> None:
-        self.size = -(-nk // self.m)
+    def size(self, geo: Geometry) -> int:
+        """The block length: ceil(n / m) of this forward's keys."""
+        return -(-geo.nk // self.m)
 
-    def sees(self, pr: Pairs) -> Tensor:
-        s = pr.head // (self.heads // self.m)
-        return pr.kp // self.size == (pr.qp // self.size + s) % self.m
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
+        s, size = pr.head // (self.heads // self.m), self.size(geo)
+        return pr.kp // size == (pr.qp // size + s) % self.m
 
     def parts(self, geo: Geometry) -> list[Part]:
-        queries, number = position_blocks(geo, self.size)                  # (z, G, size)
+        size = self.size(geo)
+        queries, number = position_blocks(geo, size)                       # (z, G, size)
         per = self.heads // self.m
         parts = []
         for s in range(self.m):
             target = (number + s) % self.m
-            positions = target[:, None] * self.size + torch.arange(self.size, device=geo.device)
-            parts.append(Part(queries[:, None], keys_at(geo, positions)[:, None], self.sees,
+            positions = target[:, None] * size + torch.arange(size, device=geo.device)
+            parts.append(Part(queries[:, None], keys_at(geo, positions)[:, None], rule(self.sees, geo),
                               tuple(range(s * per, (s + 1) * per)) if self.m > 1 else None))
         return parts
 
@@ -165,7 +164,7 @@ class Local2d:
     def rows_cols(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         return pos // self.w, pos % self.w
 
-    def sees(self, pr: Pairs) -> Tensor:
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
         qr, qc = self.rows_cols(pr.qp)
         kr, kc = self.rows_cols(pr.kp)
         r0, c0 = (qr // self.qh) * self.qh, (qc // self.qw) * self.qw
@@ -190,4 +189,4 @@ class Local2d:
         k_pos = (kr * self.w + kc).masked_fill(~inside, -1).flatten(1)
         queries = keys_at(geo, q_pos) - geo.shift
         queries = queries.masked_fill((queries < 0) | (queries >= geo.nq), -1)
-        return [Part(queries[:, None], keys_at(geo, k_pos)[:, None], self.sees)]
+        return [Part(queries[:, None], keys_at(geo, k_pos)[:, None], rule(self.sees, geo))]

@@ -38,8 +38,6 @@ class Global:
     def __init__(self, tokens: int, causal: bool):
         self.tokens = tokens
         self.causal = causal
-        self.flags: Tensor | None = None      # the forward's global_mask over keys, and the queries'
-        self.shift = 0                        # offset among the keys: set per forward by `bind`
 
     @classmethod
     def build(cls, opts: GlobalOptions | SinkOptions, *, heads: int, causal: bool, layer: int = 0,
@@ -55,20 +53,20 @@ class Global:
                     "it cannot be causal (causal=True, a Decoder)"]
         return []
 
-    def bind(self, flags: Tensor | None, shift: int, nk: int) -> None:
-        self.flags, self.shift = flags, shift
+    def active(self, geo: Geometry) -> bool:
+        return self.tokens > 0 or geo.flags is not None
 
-    def is_global(self, pos: Tensor, idx: Tensor) -> Tensor:
+    def is_global(self, pos: Tensor, idx: Tensor, geo: Geometry) -> Tensor:
+        """Keys (positions pos, indices idx) that are global: among the first tokens, or marked."""
         marked = pos < self.tokens
-        if self.flags is not None:
-            marked = marked | take(self.flags, idx.reshape(idx.shape[0], -1)).view(
-                max(idx.shape[0], self.flags.shape[0]), *idx.shape[1:])
+        if geo.flags is not None:
+            marked = marked | take(geo.flags, idx)
         return marked
 
-    def sees(self, pr: Pairs) -> Tensor:
-        on = self.is_global(pr.kp, pr.ki)
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
+        on = self.is_global(pr.kp, pr.ki, geo)
         if self.queries_too:
-            on = on | self.is_global(pr.qp, pr.qi + self.shift)
+            on = on | self.is_global(pr.qp, pr.qi + geo.shift, geo)
         return on & causal_ok(pr, self.causal)
 
     def parts(self, geo: Geometry) -> list[Part]:
@@ -80,7 +78,7 @@ class Global:
             return []
         queries = blocks(geo.nq, GROUP, geo.device)
         seen = Part(queries[None, None], keys[:, None, None].expand(-1, 1, queries.shape[0], -1),
-                    lambda pr: self.is_global(pr.kp, pr.ki) & causal_ok(pr, self.causal))
+                    lambda pr: self.is_global(pr.kp, pr.ki, geo) & causal_ok(pr, self.causal))
         if not self.queries_too:
             return [seen]
         own = select(marked[:, geo.shift:])                                # global queries (z, M')
@@ -91,7 +89,7 @@ class Global:
         every = blocks(geo.nk, geo.nk, geo.device).view(1, 1, 1, -1).expand(1, 1, g, -1)
 
         def seeing(pr: Pairs) -> Tensor:
-            return (self.is_global(pr.qp, pr.qi + geo.shift) & ~self.is_global(pr.kp, pr.ki)
+            return (self.is_global(pr.qp, pr.qi + geo.shift, geo) & ~self.is_global(pr.kp, pr.ki, geo)
                     & causal_ok(pr, self.causal))
 
         return [seen, Part(own, every, seeing)]

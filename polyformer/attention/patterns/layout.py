@@ -45,16 +45,24 @@ class Part:
 
 @dataclass
 class Geometry:
-    """Where queries and keys sit, as the layout builders need it."""
+    """One forward's facts a pattern reads: where queries and keys sit, the forward's global_mask.
+    Built once per forward (`Geometry.of`) and passed to every rule and layout builder."""
 
     nq: int
     nk: int
     q_pos: Tensor           # (z|1, nq)
     k_pos: Tensor           # (z|1, nk)
-    off: Tensor             # (z|1, 1): key u has position u + off
+    off: Tensor | None      # (z|1, 1): key u has position u + off; None when positions are not one run
     causal: bool
     heads: int
+    top: int                # the largest key position
     flags: Tensor | None = None     # (b, nk) bool: keys marked global by the forward's global_mask
+
+    @property
+    def run(self) -> bool:
+        """Whether the keys are one run of positions per row, the queries their last nq: the block-sparse
+        kernel's layouts need it; otherwise the dense reference reads positions directly."""
+        return self.off is not None
 
     @property
     def shift(self) -> int:
@@ -66,20 +74,21 @@ class Geometry:
 
     @staticmethod
     def of(q_pos: Tensor, k_pos: Tensor, k_mask: Tensor | None, causal: bool, heads: int,
-           flags: Tensor | None = None) -> "Geometry | None":
-        """The geometry, or None when positions are not one run per row (the kernel then takes the
-        dense reference with the pattern's mask, which reads positions directly)."""
+           flags: Tensor | None = None) -> "Geometry":
         nq, nk = q_pos.shape[-1], k_pos.shape[-1]
-        if nq > nk:
-            return None
-        idx = torch.arange(nk, device=k_pos.device)
+        top = int(k_pos.max())
         off = k_pos[..., -1:] - (nk - 1)
-        run = k_pos == idx + off
+        run = k_pos == torch.arange(nk, device=k_pos.device) + off
         if k_mask is not None:
             run = run | ~k_mask
-        if not bool(run.all()) or not bool((q_pos == k_pos[..., nk - nq:]).all()):
-            return None
-        return Geometry(nq, nk, q_pos, k_pos, off, causal, heads, flags)
+        if nq > nk or not bool(run.all()) or not bool((q_pos == k_pos[..., nk - nq:]).all()):
+            off = None
+        return Geometry(nq, nk, q_pos, k_pos, off, causal, heads, top, flags)
+
+
+def rule(sees: Callable[[Pairs, Geometry], Tensor], geo: Geometry) -> Rule:
+    """A piece's rule bound to this forward's geometry: a Part's `keep`."""
+    return lambda pr: sees(pr, geo)
 
 
 def take(t: Tensor, idx: Tensor) -> Tensor:

@@ -50,12 +50,12 @@ class Dilated:
         return ((pr.qp // w == pr.kp // w) & self.member(pr.qp, w, r, pr.head)
                 & self.member(pr.kp, w, r, pr.head) & causal_ok(pr, self.causal))
 
-    def counts(self, pr: Pairs) -> Tensor:
+    def counts(self, pr: Pairs, geo: Geometry) -> Tensor:
         """How many configurations show each key (the reference weights keys by it)."""
         return sum(self.config_sees(pr, w, r).to(torch.int32) for w, r in self.segments)
 
-    def sees(self, pr: Pairs) -> Tensor:
-        return self.counts(pr) > 0
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
+        return self.counts(pr, geo) > 0
 
     def parts(self, geo: Geometry) -> list[Part]:
         top = int(geo.k_pos.max())

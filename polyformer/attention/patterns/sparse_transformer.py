@@ -68,10 +68,10 @@ class SparseTransformer:
             return [f"attn_sparse_mode = 'heads' splits the two patterns over the heads: it needs heads >= 2, got {heads}"]
         return []
 
-    def sees(self, pr: Pairs) -> Tensor:
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
         out = None
         for piece, heads in self.pieces:
-            on = piece.sees(pr)
+            on = piece.sees(pr, geo)
             if heads is not None:
                 on = on & (pr.head >= heads[0]) & (pr.head <= heads[-1])
             out = on if out is None else out | on
@@ -83,7 +83,7 @@ class SparseTransformer:
         for n, (piece, heads) in enumerate(self.pieces):
             for part in piece.parts(geo):
                 if n and heads is None:         # union: A2 leaves A1's keys to A1
-                    part = replace(part, keep=lambda pr, k=part.keep: k(pr) & ~first.sees(pr))
+                    part = replace(part, keep=lambda pr, k=part.keep: k(pr) & ~first.sees(pr, geo))
                 if heads is not None:
                     part = replace(part, heads=heads)
                 parts.append(part)

@@ -22,10 +22,21 @@ from .window import Window
 PIECES = {"global": Global, "sinks": Sinks, "window": Window, "random": RandomBlocks,
           "sparse_transformer": SparseTransformer, "blockwise": Blockwise, "block_local": BlockLocal,
           "local_2d": Local2d, "dilated": Dilated}
-KEYWORD = {"global": "attn_global_tokens", "sinks": "attn_sink_tokens", "window": "attn_window",
-           "random": "attn_random_blocks", "sparse_transformer": "attn_sparse", "blockwise": "attn_blockwise",
-           "block_local": "attn_block_local", "local_2d": "attn_local_2d", "dilated": "attn_dilated"}
 LOCAL = {"window", "global", "sinks", "random"}         # combine freely (Longformer, BigBird, StreamingLLM)
+
+
+def keyword(name: str) -> str:
+    """The public keyword that switches piece `name` on: the keyword table's first row writing its
+    options (`attn_window` for "window", `attn_global_tokens` for "global", ...)."""
+    from ...keywords import KEYWORDS
+
+    return next(k for k, route in KEYWORDS.items()
+                if route.path is not None and route.path.split(".")[:3] == ["attention", "pattern", name])
+
+
+def takes_global_mask(choices: tuple[Choice, ...]) -> bool:
+    """Whether a forward's global_mask applies: any pattern but LongNet's mixture."""
+    return bool(choices) and all(c.name != "dilated" for c in choices)
 
 
 def problems(choices: tuple[Choice, ...], heads: int, causal: bool) -> list[str]:
@@ -33,18 +44,23 @@ def problems(choices: tuple[Choice, ...], heads: int, causal: bool) -> list[str]
     names = [c.name for c in choices]
     out = []
     for c in choices:
+        caps = PIECES[c.name].caps           # declared: what each piece can run in
+        if causal and not caps.causal:
+            out.append(f"{keyword(c.name)} lets queries see later keys: it cannot be causal (causal=True, a "
+                       "Decoder); use it on an Encoder")
+        if not causal and not caps.bidirectional:
+            out.append(f"{keyword(c.name)} needs a causal stack (a Decoder)")
         out += PIECES[c.name].check(c.options, heads, causal)
     alone = [n for n in names if n not in LOCAL]
     if len(alone) > 1 or (alone and set(names) - {alone[0], "global"}):
-        others = [KEYWORD[n] for n in names if n != (alone[0] if alone else None) and n != "global"]
-        out.append(f"{KEYWORD[alone[0]]} cannot combine with {' / '.join(others)}: choose one pattern "
+        others = [keyword(n) for n in names if n != (alone[0] if alone else None) and n != "global"]
+        out.append(f"{keyword(alone[0])} cannot combine with {' / '.join(others)}: choose one pattern "
                    "(global tokens combine with any)")
     if "dilated" in names and "global" in names:
         out.append("attn_dilated mixes its configurations by their softmax denominators; it cannot combine "
                    "with attn_global_tokens")
-    if "sinks" in names and ("window" not in names or not causal):
-        out.append("attn_sink_tokens keeps the first tokens beside a causal window: it needs attn_window on a "
-                   "Decoder")
+    if "sinks" in names and "window" not in names:
+        out.append("attn_sink_tokens keeps the first tokens beside a window: it needs attn_window")
     return out
 
 
@@ -62,7 +78,7 @@ class PatternStage:
 
     def __init__(self, choices: tuple[Choice, ...], heads: int, causal: bool, layer: int):
         named = {c.name: c for c in choices}
-        if "global" not in named and "dilated" not in named:      # the forward's global_mask needs one
+        if "global" not in named and takes_global_mask(choices):   # the forward's global_mask needs one
             named["global"] = Choice("pattern", "global", GlobalOptions(0))
         self.pieces = [PIECES[n].build(named[n].options, heads=heads, causal=causal, layer=layer,
                                        choices=choices) for n in PIECES if n in named]
@@ -72,57 +88,48 @@ class PatternStage:
         self.causal = causal
         self.layer_key = layer if {"random", "sparse_transformer"} & set(named) else None
         window = [p for p in self.pieces if isinstance(p, Window)]
-        self.decode = "window" if (causal and window and window[0].size is not None
-                                   and set(named) <= {"window", "sinks", "global"}
-                                   and named["global"].options.tokens == 0) else "keys"
         self.sinks = next((p.tokens for p in self.pieces if isinstance(p, Sinks)), 0)
         self.span = window[0].span() if window else None
+        # what a decode state keeps, from the pieces' declared caps (the implicit, empty global piece aside)
+        shown = [p for p in self.pieces if not (type(p) is Global and p.tokens == 0)]
+        self.decode = ("window" if causal and self.span is not None and all(p.caps.decode == "window" for p in shown)
+                       else "keys")
 
-    def bind(self, flags: Tensor | None, shift: int, nk: int, top: int) -> None:
-        """Per-forward facts: the global_mask over keys, where the queries sit among the keys, the
-        key count and the largest key position."""
-        for p in self.pieces:
-            if isinstance(p, RandomBlocks):
-                p.bind(flags, shift, nk, top)
-            elif hasattr(p, "bind"):
-                p.bind(flags, shift, nk)
+    def geometry(self, q_pos: Tensor, k_pos: Tensor, k_mask: Tensor | None, flags: Tensor | None) -> Geometry:
+        return Geometry.of(q_pos, k_pos, k_mask, self.causal, self.heads, flags)
 
-    def active(self) -> list:
-        return [p for p in self.pieces
-                if not (type(p) is Global and p.tokens == 0 and p.flags is None)]
+    def active(self, geo: Geometry) -> list:
+        """The pieces that show anything in this forward (global tokens only with some to show)."""
+        return [p for p in self.pieces if not isinstance(p, Global) or p.active(geo)]
 
-    def counts(self, q_pos: Tensor, k_pos: Tensor, shift: int) -> Tensor:
+    def counts(self, geo: Geometry) -> Tensor:
         """(z, h, i, j) int: how many times the pattern shows key j to query i (0 or 1, except in a
-        mixture). q_pos (z|1, i), k_pos (z|1, j)."""
-        i, j = q_pos.shape[-1], k_pos.shape[-1]
-        dev = q_pos.device
-        pr = Pairs(qp=q_pos[:, None, None, :, None], kp=k_pos[:, None, None, None, :],
+        mixture), read from positions alone."""
+        i, j, dev = geo.nq, geo.nk, geo.device
+        pr = Pairs(qp=geo.q_pos[:, None, None, :, None], kp=geo.k_pos[:, None, None, None, :],
                    qi=torch.arange(i, device=dev).view(1, 1, 1, i, 1),
                    ki=torch.arange(j, device=dev).view(1, 1, 1, 1, j),
                    head=torch.arange(self.heads, device=dev).view(-1, 1, 1, 1))
-        pieces = self.active()
+        pieces = self.active(geo)
         if self.mixture:
-            return pieces[0].counts(pr).expand(-1, self.heads, -1, -1, -1)[:, :, 0]
-        seen = None
-        for p in pieces:
-            on = p.sees(pr)
-            seen = on if seen is None else seen | on
-        return seen.expand(-1, self.heads, -1, -1, -1)[:, :, 0].to(torch.int32)
+            return pieces[0].counts(pr, geo).expand(-1, self.heads, -1, -1, -1)[:, :, 0]
+        return _any(pieces, pr, geo).expand(-1, self.heads, -1, -1, -1)[:, :, 0].to(torch.int32)
 
     def parts(self, geo: Geometry) -> list[Part]:
+        """The block-sparse kernel's parts (the geometry must be one run: `geo.run`)."""
         parts: list[Part] = []
         earlier: list = []
-        for p in self.active():
+        for p in self.active(geo):
             for part in p.parts(geo):
                 if earlier and not self.mixture:
-                    part = replace(part, keep=lambda pr, k=part.keep, e=tuple(earlier): k(pr) & ~_any(e, pr))
+                    part = replace(part, keep=lambda pr, k=part.keep, e=tuple(earlier): k(pr) & ~_any(e, pr, geo))
                 parts.append(part)
             earlier.append(p)
         return parts
 
 
-def _any(pieces: tuple, pr: Pairs) -> Tensor:
-    out = pieces[0].sees(pr)
+def _any(pieces: list | tuple, pr: Pairs, geo: Geometry) -> Tensor:
+    out = pieces[0].sees(pr, geo)
     for p in pieces[1:]:
-        out = out | p.sees(pr)
+        out = out | p.sees(pr, geo)
     return out

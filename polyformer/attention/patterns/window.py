@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ...interfaces import Caps
-from .layout import Geometry, Pairs, Part, residue_blocks, valid
+from .layout import Geometry, Pairs, Part, residue_blocks, rule, valid
 
 GROUP = 128     # queries per group: a group of Q queries reads Q + w - 1 keys (128 measured fastest at w = 256)
 
@@ -56,7 +56,7 @@ class Window:
         """How far back (in positions) a causal query can see: w d."""
         return None if self.size is None else self.size * max(self.dilation)
 
-    def sees(self, pr: Pairs) -> Tensor:
+    def sees(self, pr: Pairs, geo: Geometry) -> Tensor:
         delta = pr.qp - pr.kp
         if max(self.dilation) == 1:
             d = 1
@@ -84,6 +84,6 @@ class Window:
                 start = first - reach * d
             keys = valid(start + d * torch.arange(count, device=geo.device), geo.nk)
             band = geo.shift - reach if d == 1 and self.size is not None else None
-            parts.append(Part(q[None, None], keys[None, None], self.sees,
+            parts.append(Part(q[None, None], keys[None, None], rule(self.sees, geo),
                               heads if len(heads) < geo.heads else None, band))
         return parts

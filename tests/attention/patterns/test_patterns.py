@@ -11,7 +11,7 @@ import torch
 
 from polyformer import Decoder, Encoder
 from polyformer.attention.kernels import block_sparse
-from polyformer.attention.patterns import Geometry, PatternStage
+from polyformer.attention.patterns import PatternStage
 
 from .definitions import CASES, H, dense, dilated_counts
 
@@ -97,12 +97,10 @@ def test_longnet_mixes_its_configurations_by_their_softmax_denominators():
 
     for causal in (True, False):
         stage = PatternStage((Choice("pattern", "dilated", DilatedOptions(segments)),), H, causal, 0)
-        stage.bind(None, 0, n, n - 1)
-        parts = stage.parts(Geometry.of(pos, pos, None, causal, H))
+        parts = stage.parts(stage.geometry(pos, pos, None, None))
         out = block_sparse.attention(q, KV(k, v, pos, None), pos, parts, None, None, d ** -0.5, torch.nn.Identity())
         scores = torch.einsum("bhid,bhjd->bhij", q, k) * d ** -0.5
         num, den = torch.zeros_like(out), torch.zeros(1, H, n, 1)
-        i = torch.arange(n).view(n, 1)
         for w, r in segments:
             keep = dense(dilated_counts(((w, r),)), n, causal)[None] > 0
             e = torch.exp(scores).masked_fill(~keep, 0)
@@ -130,9 +128,8 @@ def computed_pairs(keywords: dict, n: int, causal: bool) -> int:
     model = stack(causal, **keywords)
     stage = model.blocks[0].branch.pattern
     pos = torch.arange(n)[None]
-    stage.bind(None, 0, n, n - 1)
     total = 0
-    for part in stage.parts(Geometry.of(pos, pos, None, causal, H)):
+    for part in stage.parts(stage.geometry(pos, pos, None, None)):
         heads = len(part.heads) if part.heads is not None else H
         q = (part.queries >= 0).sum(-1).expand(-1, heads, -1)
         k = (part.keys >= 0).sum(-1).expand(-1, heads, -1)

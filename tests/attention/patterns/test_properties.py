@@ -33,10 +33,12 @@ def test_two_sparse_transformer_layers_connect_every_earlier_input(kind, mode):
     assert not reach[n - 1, 0] and torch.equal(reach, torch.ones(n, n, dtype=torch.bool).tril().triu(-(l - 1)))
 
 
-def random_blocks(model, layer: int) -> torch.Tensor:
+def random_blocks(model, layer: int, n: int) -> torch.Tensor:
+    """Layer `layer`'s table of random key blocks for an input of n positions."""
     stage = model.blocks[2 * layer].branch.pattern
     piece = next(p for p in stage.pieces if type(p).__name__ == "RandomBlocks")
-    return piece.table(int(piece.n_blocks) - 1)
+    pos = torch.arange(n)[None]
+    return piece.table(stage.geometry(pos, pos, None, None), (n - 1) // piece.b)
 
 
 def bigbird(causal: bool, seed: int = 0, depth: int = 2):
@@ -52,7 +54,7 @@ def test_bigbird_random_blocks_are_reproducible_differ_by_layer_and_never_look_a
     a, b, other = bigbird(causal), bigbird(causal), bigbird(causal, seed=1)
     assert torch.equal(a(x), b(x))                          # same seed, same input: same output
     assert not torch.allclose(a(x), other(x))               # another seed draws other blocks
-    tables = [random_blocks(a, layer) for layer in range(2)]
+    tables = [random_blocks(a, layer, 64) for layer in range(2)]
     assert not torch.equal(tables[0], tables[1])
     _, record = a(x, return_attn=True)
     visible = record.attn[0][0, 0] > 0                       # (i, j), head 0
@@ -114,19 +116,19 @@ BAD = [
     (Decoder, dict(attn_window=4, attn_window_dilation=(1, 2)), "attn_window_dilation must be"),
     (Decoder, dict(attn_window_dilation=2), "attn_window_dilation need"),
     (Decoder, dict(attn_window=4, attn_random_blocks=2, attn_block_size=0), "attn_block_size must be"),
-    (Decoder, dict(attn_sparse="strided"), "attn_sparse need"),
+    (Decoder, dict(attn_sparse="strided"), "attn_sparse need(s) attn_sparse_stride"),
     (Decoder, dict(attn_sparse="diagonal", attn_sparse_stride=4), "attn_sparse must be 'strided' or 'fixed'"),
     (Decoder, dict(attn_sparse="fixed", attn_sparse_stride=4, attn_sparse_summary=5), "attn_sparse_summary must be"),
     (Decoder, dict(attn_sparse="strided", attn_sparse_stride=4, attn_sparse_mode="all"), "attn_sparse_mode must be"),
-    (Decoder, dict(attn_blockwise=2), "attn_blockwise lets a block attend to later blocks"),
+    (Decoder, dict(attn_blockwise=2), "attn_blockwise lets queries see later keys: it cannot be causal"),
     (Encoder, dict(attn_blockwise=3), "heads (4) must be a multiple"),
     (Encoder, dict(attn_local_2d=dict(image=(6, 8), query=(4, 4))), "must tile the image"),
     (Decoder, dict(attn_dilated=((8, 2), (16, 4))), "needs one (w, 1) configuration"),
     (Decoder, dict(attn_dilated=((6, 4),)), "multiple of its rate"),
     (Encoder, dict(attn_window=4, attn_blockwise=2), "cannot combine with attn_window"),
     (Decoder, dict(attn_sparse="strided", attn_sparse_stride=4, attn_block_local=(4, 2)), "cannot combine"),
-    (Encoder, dict(attn_window=4, attn_sink_tokens=2), "attn_sink_tokens keeps the first tokens beside a causal"),
-    (Decoder, dict(attn_sink_tokens=2), "it needs attn_window on a Decoder"),
+    (Encoder, dict(attn_window=4, attn_sink_tokens=2), "attn_sink_tokens needs a causal stack (a Decoder)"),
+    (Decoder, dict(attn_sink_tokens=2), "attn_sink_tokens keeps the first tokens beside a window: it needs attn_window"),
     (Decoder, dict(attn_dilated=((8, 1),), attn_global_tokens=2), "cannot combine"),
 ]
 
