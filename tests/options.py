@@ -44,8 +44,24 @@ LAYER_OPTIONS: dict[str, dict] = {
     "combined": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
                      attn_kv_heads=2, ff_glu=True, use_rmsnorm=True),
 }
+# one entry per registered attention pattern (registry.PATTERN; tests/contracts keeps the two in
+# step), small enough that a 12-token input has keys outside every pattern
+PATTERN_OPTIONS: dict[str, dict] = {
+    "attn_window": dict(attn_window=4, rotary_pos_emb=True),
+    "attn_window_dilation_global": dict(attn_window=4, attn_window_dilation=2, attn_global_tokens=1),
+    "attn_sink_tokens": dict(attn_window=4, attn_sink_tokens=2, alibi_pos_emb=True),
+    "attn_random_blocks": dict(attn_window=4, attn_random_blocks=1, attn_block_size=2, rotary_pos_emb=True),
+    "attn_sparse": dict(attn_sparse="strided", attn_sparse_stride=3),
+    "attn_blockwise": dict(attn_blockwise=2),
+    "attn_block_local": dict(attn_block_local=(4, 2)),
+    "attn_local_2d": dict(attn_local_2d=dict(image=(4, 8), query=(2, 2), memory=(1, 1))),
+    "attn_dilated": dict(attn_dilated=((4, 1), (8, 2))),
+}
+DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
+DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}
+ENCODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in DECODER_ONLY}
 
 
 def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> torch.nn.Module:

@@ -97,6 +97,14 @@ LAYER_SPACE: dict[str, st.SearchStrategy] = {
     "attn_flash": sometimes(BOOL, 5),
     "attn_qkv_bias": sometimes(TRUE, 6),
     "attn_out_bias": sometimes(TRUE, 6),
+    # sparse attention patterns (one keyword each; tests/attention/patterns holds each to its definition)
+    "attn_window": sometimes([2, 3, 5], 6),
+    "attn_sink_tokens": sometimes([1], 12),
+    "attn_global_tokens": sometimes([1, 2], 10),
+    "attn_sparse": sometimes(["strided", "fixed"], 12),
+    "attn_sparse_stride": sometimes([2, 3], 12),
+    "attn_block_local": sometimes([(3, 2)], 12),
+    "attn_dilated": sometimes([((4, 1), (8, 2))], 14),
     # feedforward
     "ff_mult": sometimes([1, 2, 0.5], 3),
     "ff_glu": sometimes(TRUE, 4),

@@ -11,15 +11,26 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from polyformer import AttentionLayers, Decoder, LayersConfig, TransformerWrapper
+from polyformer import AttentionLayers, Decoder, Encoder, LayersConfig, TransformerWrapper
 from polyformer.config import from_dict, to_dict
 from tests.helpers import WRAPPER_KEYS, ids, tiny_lm
-from tests.options import DECODER_OPTIONS, perturb
+from tests.options import DECODER_OPTIONS, DECODER_PATTERNS, ENCODER_ONLY, PATTERN_OPTIONS, perturb
 
 NUM_TOKENS = 64
 
-OPTIONS = DECODER_OPTIONS
+OPTIONS = {**DECODER_OPTIONS, **DECODER_PATTERNS}
 NAMES = list(OPTIONS)
+
+
+def test_every_registered_pattern_runs_through_the_contracts():
+    """A pattern added to the registry without an option set here is seen by no contract."""
+    from polyformer import registry
+
+    seen = set()
+    for name, keywords in PATTERN_OPTIONS.items():
+        stack = Encoder if name in ENCODER_ONLY else Decoder
+        seen |= {c.name for c in tiny_lm(stack, **keywords).attn_layers.cfg.attention.pattern}
+    assert seen == set(registry.names("pattern")), sorted(set(registry.names("pattern")) - seen)
 
 
 def build(name: str, seed: int = 0, depth: int = 2) -> TransformerWrapper:

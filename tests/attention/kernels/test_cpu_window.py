@@ -20,13 +20,17 @@ def test_the_kernel_builds_on_this_machine():
     assert cpu.extension() is not None, cpu._built.get("error")
 
 
-def reference(q, k, v, scale, window):
-    """Dense softmax attention with the band mask spelled out: keep r - window < j <= r."""
+def banded(q, k, v, scale, window, causal):
+    """Dense softmax attention with the band mask spelled out: causal keep r - window < j <= r
+    (window 0: plain causal), bidirectional keep |r - j| <= window // 2."""
     h = q.shape[1]
     k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     i, j = q.shape[-2], k.shape[-2]
     rows, keys = torch.arange(i)[:, None], torch.arange(j)[None, :]
-    keep = (keys <= rows) & (keys > rows - window if window else True)
+    if causal:
+        keep = (keys <= rows) & (keys > rows - window if window else True)
+    else:
+        keep = (rows - keys).abs() <= window // 2
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     return torch.einsum("bhij,bhjd->bhid", weights, v)
@@ -156,19 +160,28 @@ def test_inference_with_a_window_has_no_length_limit():
     assert cpu.applies(q, q, q, None, None, 0.0, window=8)
 
 
-def test_second_derivatives_equal_the_reference():
+def reference(q, k, v, scale, window):
+    return banded(q, k, v, scale, window, True)
+
+
+DIRECTIONS = pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+
+
+@DIRECTIONS
+def test_second_derivatives_equal_the_reference(causal):
     """create_graph=True takes the differentiable reference path, with the band."""
     q, k, v = leaves((1, 4, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8))
     second = []
-    for fn in (lambda *t: cpu.attention(*t, 0.35, True, window=7), lambda *t: reference(*t, 0.35, 7)):
+    for fn in (lambda *t: cpu.attention(*t, 0.35, causal, window=7), lambda *t: banded(*t, 0.35, 7, causal)):
         (g,) = torch.autograd.grad(fn(q, k, v).square().sum(), q, create_graph=True)
         second.append(torch.autograd.grad(g.pow(2).sum(), (q, k, v)))
     for a, b in zip(*second):
         assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@DIRECTIONS
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
-def test_the_packed_call_takes_the_window(keep):
+def test_the_packed_call_takes_the_window(keep, causal):
     """q, k, v as one fused projection's columns: the packed operator, with the band, equals the
     reference in the projection's gradient."""
     h, hk, d, n = 4, 2, 8, 90
@@ -179,31 +192,32 @@ def test_the_packed_call_takes_the_window(keep):
 
     def run(fn):
         q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in (x @ w.t()).split((h * d, hk * d, hk * d), -1))
-        if fn is not reference:
-            assert cpu.packed_columns(q, k, v) is not None
-        out = fn(q, k, v, 0.3, True, window=11) if fn is not reference else reference(q, k, v, 0.3, 11)
+        assert cpu.packed_columns(q, k, v) is not None
+        out = fn(q, k, v)
         return out, *torch.autograd.grad(out, x, grad_out)
     with contextlib.nullcontext() if keep else cpu.recomputed_weights():
-        ours = run(cpu.attention)
-    for a, b in zip(ours, run(reference)):
+        ours = run(lambda *t: cpu.attention(*t, 0.3, causal, window=11))
+    for a, b in zip(ours, run(lambda *t: banded(*t, 0.3, 11, causal))):
         assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@DIRECTIONS
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
-def test_the_operators_pass_opcheck(keep):
+def test_the_operators_pass_opcheck(keep, causal):
     q, k, v = leaves((2, 2, 70, 8), (2, 1, 70, 8), (2, 1, 70, 12))
-    torch.library.opcheck(torch.ops.polyformer.attention.default, (q, k, v, 0.3, True, keep, 9))
-    out, lse, weights = torch.ops.polyformer.attention(q, k, v, 0.3, True, keep, 9)
+    torch.library.opcheck(torch.ops.polyformer.attention.default, (q, k, v, 0.3, causal, keep, 9))
+    out, lse, weights = torch.ops.polyformer.attention(q, k, v, 0.3, causal, keep, 9)
     torch.library.opcheck(torch.ops.polyformer.attention_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, weights,
-                           0.3, True, 9),
+                           0.3, causal, 9),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_compiled_with_dynamic_shapes_equals_eager():
+@DIRECTIONS
+def test_compiled_with_dynamic_shapes_equals_eager(causal):
     """aot_eager traces forward and backward for symbolic lengths: the kept weights' closed-form size
     with a window holds for two lengths through one graph."""
-    fn = lambda q, k, v: cpu.attention(q, k, v, 0.25, True, window=50)   # noqa: E731
+    fn = lambda q, k, v: cpu.attention(q, k, v, 0.25, causal, window=50)   # noqa: E731
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
     for n in (70, 135):

@@ -8,8 +8,6 @@ runs on it (block_sparse.cpu_window)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.testing import assert_close
@@ -17,18 +15,11 @@ from torch.testing import assert_close
 from polyformer import Encoder
 from polyformer.attention.kernels import block_sparse, cpu
 
-from .test_cpu_window import grads, leaves, path  # noqa: F401  (path: the backward-path fixture)
+from .test_cpu_window import banded, grads, leaves, path  # noqa: F401  (path: the backward-path fixture)
 
 
 def reference(q, k, v, scale, window):
-    """Dense softmax attention with the band mask spelled out: keep |r - j| <= window // 2."""
-    h = q.shape[1]
-    k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    rows, keys = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
-    keep = (rows - keys).abs() <= window // 2
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-    return torch.einsum("bhij,bhjd->bhid", weights, v)
+    return banded(q, k, v, scale, window, False)
 
 
 @pytest.mark.parametrize("n", [1, 5, 70, 130, 257])
@@ -127,54 +118,6 @@ def test_windows_it_does_not_take_are_clear_errors():
         torch.ops.polyformer.attention(q, q[:, :, :5], q[:, :, :5], 0.3, False, False, 4)
     with pytest.raises(ValueError, match="one sequence"):       # even where the band covers every key
         cpu.attention(q[:, :, :5], q, q, 0.3, False, window=100)
-
-
-def test_second_derivatives_equal_the_reference():
-    """create_graph=True takes the differentiable reference path, with the bidirectional band."""
-    q, k, v = leaves((1, 4, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8))
-    second = []
-    for fn in (lambda *t: cpu.attention(*t, 0.35, False, window=7), lambda *t: reference(*t, 0.35, 7)):
-        (g,) = torch.autograd.grad(fn(q, k, v).square().sum(), q, create_graph=True)
-        second.append(torch.autograd.grad(g.pow(2).sum(), (q, k, v)))
-    for a, b in zip(*second):
-        assert_close(a, b, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
-def test_the_packed_call_and_opcheck_take_the_window(keep):
-    """q, k, v as one fused projection's columns: the packed operator, with the band, equals the
-    reference in the projection's gradient; the operators pass opcheck."""
-    h, hk, d, n = 4, 2, 8, 90
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, n, 16, generator=g, requires_grad=True)
-    w = torch.randn(h * d + 2 * hk * d, 16, generator=g) / 4
-    grad_out = torch.randn(2, h, n, d, generator=g)
-
-    def run(fn):
-        q, k, v = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in (x @ w.t()).split((h * d, hk * d, hk * d), -1))
-        assert cpu.packed_columns(q, k, v) is not None
-        out = fn(q, k, v)
-        return out, *torch.autograd.grad(out, x, grad_out)
-    with contextlib.nullcontext() if keep else cpu.recomputed_weights():
-        ours = run(lambda *t: cpu.attention(*t, 0.3, False, window=11))
-    for a, b in zip(ours, run(lambda *t: reference(*t, 0.3, 11))):
-        assert_close(a, b, atol=1e-5, rtol=1e-5)
-    q, k, v = leaves((2, 2, 70, 8), (2, 1, 70, 8), (2, 1, 70, 12))
-    torch.library.opcheck(torch.ops.polyformer.attention.default, (q, k, v, 0.3, False, keep, 9))
-
-
-def test_compiled_with_dynamic_shapes_equals_eager():
-    """aot_eager traces forward and backward for symbolic lengths: the kept weights' closed-form size
-    with a bidirectional window holds for two lengths through one graph."""
-    fn = lambda q, k, v: cpu.attention(q, k, v, 0.25, False, window=50)   # noqa: E731
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
-    for n in (70, 135):
-        q, k, v = leaves((2, 3, n, 16), (2, 3, n, 16), (2, 3, n, 16), seed=n)
-        grad_out = torch.randn(2, 3, n, 16)
-        for a, b in zip(grads(compiled, q, k, v, grad_out), grads(fn, q, k, v, grad_out)):
-            assert_close(a, b, atol=1e-6, rtol=1e-6)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("n, attn_window, kv_heads", [(48, 6, 4), (150, 7, 2), (130, 64, 1), (40, 200, 4)])
