@@ -134,8 +134,8 @@ def decode_state(stack: "AttentionLayers", state: "DecodeState", x: Tensor, mems
         raise ValueError("mems and state cannot be combined: a decode state already holds every earlier key")
     if state.batch != x.shape[0]:
         raise ValueError(f"state was made for batch size {state.batch}, x has {x.shape[0]}")
-    if state.k.shape[0] != stack.num_self_attn:
-        raise ValueError(f"state holds {state.k.shape[0]} layers, the stack has {stack.num_self_attn} "
+    if state.layers != stack.num_self_attn:
+        raise ValueError(f"state holds {state.layers} layers, the stack has {stack.num_self_attn} "
                          "self-attention blocks: it was made for another model")
     if state.length + x.shape[1] > state.max_len:
         raise ValueError(f"state has room for {state.max_len} positions; {state.length} are used and "

@@ -52,7 +52,8 @@ class AttentionConfig:
     gate_values: bool = False
     qkv_bias: bool = False              # biases on the q, k, v projections (GPT-2, BERT)
     out_bias: bool = False              # a bias on the output projection (GPT-2, BERT)
-    kernel: str = "dense"               # registry.KERNEL
+    kernel: Choice = Choice("kernel", "dense")   # how queries meet keys (registry.KERNEL): dense softmax
+                                        # attention, or a kernel of its own (Performer, linear, ...) with options
     pattern: tuple[Choice, ...] = ()    # which keys each query sees: pieces from registry.PATTERN
     fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
 
@@ -85,6 +86,7 @@ class LayersConfig:
     cross_residual_attn: bool = False
     shift_tokens: int | tuple[int, ...] = 0
     gradient_checkpointing: bool = False
+    mixer: Choice | None = None         # what an 'a' block runs instead of attention (registry.MIXER: FNet)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     ff: FeedForwardConfig = field(default_factory=FeedForwardConfig)
 
@@ -93,6 +95,11 @@ class LayersConfig:
         """The block kinds in order: 'a' self-attention, 'c' cross-attention, 'f' feedforward."""
         if self.custom_layers is not None:
             return tuple(self.custom_layers)
+        if self.mixer is not None:      # a mixer that is its own feedforward (FLASH's GAU) stands alone
+            from .registry import MIXER
+
+            if getattr(MIXER[self.mixer.name].build, "replaces_feedforward", False):
+                return ("a",) * self.depth
         if self.only_cross:
             block: tuple[str, ...] = ("c", "f")
         elif self.cross_attend:
@@ -121,6 +128,8 @@ def from_dict(cls: type, data: dict) -> Any:
         raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
     kwargs = {}
     for name, value in data.items():
+        if hints[name] is Choice and isinstance(value, str):    # saved before the kernel had options
+            value = {"stage": name, "name": value}
         kwargs[name] = _revive(hints[name], value)
     return cls(**kwargs)
 
@@ -152,6 +161,8 @@ def _revive(hint: Any, value: Any) -> Any:
         for arg in typing.get_args(hint):
             if arg is type(None):
                 continue
+            if arg is Choice and isinstance(value, dict):
+                return _choice(value)
             if typing.get_origin(arg) is tuple and isinstance(value, list):
                 return _tuple(arg, value)
             if dataclasses.is_dataclass(arg) and isinstance(value, dict):

@@ -48,6 +48,10 @@ class DecodeStep(nn.Module):
         if stack.has_cross or any(block.shift is not None for block in stack.blocks):
             raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: "
                              "not shift_tokens (it caches block inputs) nor cross-attention (the context)")
+        kinds = {b.branch.decode_kind for b in stack.blocks if b.kind == "a"}
+        if kinds - {"keys"}:
+            raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: not a kernel "
+                             "with a recurrent summary (attn_performer, attn_linear, attn_rfa, gau)")
         self.net = net
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, length: int) -> Tensor:

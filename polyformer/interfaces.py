@@ -54,8 +54,34 @@ class Caps:
     bidirectional: bool = True          # can run in a bidirectional stack
     padding: bool = True                # takes a key padding mask
     decode: str = "keys"                # what a decode state keeps: "keys" (every key), "window"
-                                        # (the last keys a window can still show, plus sinks)
+                                        # (the last keys a window can still show, plus sinks), "recurrent"
+                                        # (a fixed-size summary of every key: kernel methods), "none"
+                                        # (nothing it can decode with: a bidirectional mixer)
     tolerance: float | None = None      # approximate ones: the error bound their tests hold
+    form: str = "scores"                # "scores": builds (b, h, i, j) scores, takes masks, bias and
+                                        # residual scores (dense); "direct": computes the output from q, k, v
+                                        # and positions without the score matrix (kernel methods, low rank)
+    cross: bool = False                 # also serves cross-attention (else cross-attention stays dense)
+    memories: bool = True               # reads Transformer-XL memories (keys before the segment)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What an attention kernel is built from: the block's shapes and the kernel's own options."""
+
+    heads: int
+    kv_heads: int
+    dim_qk: int                         # per head
+    dim_v: int                          # per head
+    causal: bool
+    layer: int                          # index among the stack's self-attention blocks (seeds, decode state)
+    scale: float                        # the score scale, dim_qk ** -0.5 unless a scheme changes it
+    dropout: float = 0.0
+    options: object = None              # the kernel's options dataclass (registry.KERNEL[name].options)
+    normalize: object = None            # dense: the normaliser module (softmax, top-k, entmax15)
+    talking_heads: bool = False         # dense: pre- and post-softmax head mixing
+    fused: bool | None = None           # dense: the fused path (None: when possible)
+    keep_scores: bool = False           # dense: return scores for residual attention
 
 
 @dataclass
@@ -90,7 +116,22 @@ class Normalizer(Protocol):
 
 
 class Kernel(Protocol):
+    """A kernel of form "scores" (dense): the mask and bias are built for it."""
+
     caps: Caps
 
     def __call__(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
                  causal: bool, prev_scores: Tensor | None, need_weights: bool) -> AttnOut: ...
+
+
+class DirectKernel(Protocol):
+    """A kernel of form "direct" (Performer, linear, Linformer, Nyström, AFT): it reads the keys'
+    positions and padding from `kv` itself. Keys beyond the queries' count come first and every query
+    may see them (memory key / values, XL memories, a decode state's keys). `memory` is the block's
+    recurrent decode state (`memory/recurrent.py`) when the kernel declares decode="recurrent" and
+    the stack is decoding: the kernel reads it and adds this step's keys to it."""
+
+    caps: Caps
+
+    def __call__(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,
+                 need_weights: bool) -> AttnOut: ...

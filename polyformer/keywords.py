@@ -165,6 +165,40 @@ KEYWORDS: dict[str, Route] = {
     "attn_block_local": Route("attention.pattern.block_local", _block_local),
     "attn_local_2d": Route("attention.pattern.local_2d", _local_2d),
     "attn_dilated": Route("attention.pattern.dilated.segments", _pairs),
+    # kernel attention (attention/kernels/linear.py): a recurrent decode state
+    "attn_linear": Route("attention.kernel.linear.feature"),
+    "attn_linear_chunk": Route("attention.kernel.linear.chunk"),
+    "attn_performer": flag(attention__kernel__performer={}),
+    "attn_performer_features": Route("attention.kernel.performer.features"),
+    "attn_performer_kernel": Route("attention.kernel.performer.kernel"),
+    "attn_performer_redraw": Route("attention.kernel.performer.redraw"),
+    "attn_performer_orthogonal": Route("attention.kernel.performer.orthogonal"),
+    "attn_performer_seed": Route("attention.kernel.performer.seed"),
+    "attn_performer_chunk": Route("attention.kernel.performer.chunk"),
+    "attn_rfa": flag(attention__kernel__rfa={}),
+    "attn_rfa_features": Route("attention.kernel.rfa.features"),
+    "attn_rfa_gate": Route("attention.kernel.rfa.gate"),
+    "attn_rfa_seed": Route("attention.kernel.rfa.seed"),
+    "attn_rfa_chunk": Route("attention.kernel.rfa.chunk"),
+    # low-rank attention (attention/kernels/linformer.py, nystrom.py): bidirectional only
+    "attn_linformer_k": Route("attention.kernel.linformer.k"),
+    "attn_linformer_seq_len": Route("attention.kernel.linformer.seq_len"),
+    "attn_linformer_share_kv": Route("attention.kernel.linformer.share_kv"),
+    "attn_nystrom_landmarks": Route("attention.kernel.nystrom.landmarks"),
+    "attn_nystrom_pinv_iters": Route("attention.kernel.nystrom.pinv_iters"),
+    "attn_nystrom_pinv_init": Route("attention.kernel.nystrom.pinv_init"),
+    "attn_nystrom_conv": Route("attention.kernel.nystrom.conv"),
+    # Attention Free Transformer (attention/kernels/aft.py): keeps keys in a decode state
+    "attn_aft": Route("attention.kernel.aft.mode"),
+    "attn_aft_window": Route("attention.kernel.aft.window"),
+    "attn_aft_max_len": Route("attention.kernel.aft.max_len"),
+    # FNet (mixers/fnet.py): Fourier mixing instead of self-attention
+    "attn_fnet": flag(mixer__fnet={}),
+    # FLASH's gated attention unit (mixers/gau.py): attention and feedforward in one block
+    "gau": flag(mixer__gau={}),
+    "gau_chunk": Route("mixer.gau.chunk"),
+    "gau_qk_dim": Route("mixer.gau.qk_dim"),
+    "gau_expansion": Route("mixer.gau.expansion"),
     # feedforward
     "ff_mult": Route("ff.mult"),
     "ff_glu": Route("ff.glu"),
@@ -219,44 +253,71 @@ def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> La
         raise ValueError(f"{owner}: {err}") from None
 
 
-def _pattern(fields: dict[str, dict[str, Any]], keywords: dict[str, str]) -> tuple[Choice, ...]:
-    """The pattern pieces' choices, in the registry's order, from their options' fields; a piece
-    missing a required option names the keywords given and the keyword it needs."""
+# stages whose variants are choices with options: keyword rows write "<prefix>.<name>.<field>"
+CHOICE_STAGES = {"attention.pattern.": "pattern", "attention.kernel.": "kernel", "mixer.": "mixer"}
+
+
+def _choices(stage: str, prefix: str, fields: dict[str, dict[str, Any]], keywords: dict[str, str]
+             ) -> tuple[Choice, ...]:
+    """The stage's choices, in the registry's order, from their options' fields. A choice missing a
+    required option, or given options without the keyword that switches it on, names the keywords
+    given and the keyword it needs."""
     import dataclasses
 
-    from .registry import PATTERN
+    from .registry import STAGES
 
+    table = STAGES[stage]
     choices = []
-    for name in PATTERN:
+    for name in table:
         if name not in fields:
             continue
-        options = PATTERN[name].options
-        missing = [f.name for f in dataclasses.fields(options) if f.name not in fields[name]
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            given = sorted({k for path, k in keywords.items() if path.startswith(f"attention.pattern.{name}")})
-            needed = sorted({k for k, route in KEYWORDS.items() if route.path is not None and any(
-                route.path in (f"attention.pattern.{name}.{m}", f"attention.pattern.{name}") for m in missing)})
+        options = table[name].options
+        given = sorted({k for path, k in keywords.items() if path.startswith(f"{prefix}{name}")})
+        required = [f.name for f in dataclasses.fields(options) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING] if options else []
+        missing = [m for m in required if m not in fields[name]]
+        # a pattern piece is on when any of its options is given; a kernel or mixer needs its switch
+        switched = stage == "pattern" or f"{prefix}{name}" in keywords or (required and not missing)
+        if missing or not switched:
+            wanted = [f"{prefix}{name}.{m}" for m in missing] or [f"{prefix}{name}"]
+            needed = sorted({k for k, route in KEYWORDS.items()
+                             if route.path in wanted or any(p in wanted for p in (route.when_true or {}))})
             raise ValueError(f"{' / '.join(given)} need(s) {' and '.join(needed)}")
-        choices.append(Choice("pattern", name, options(**fields[name])))
+        choices.append(Choice(stage, name, options(**fields[name]) if options else None))
     return tuple(choices)
 
 
+def _one(choices: tuple[Choice, ...], prefix: str, keywords: dict[str, str]) -> Choice:
+    """The single choice of a stage that takes one (a kernel, a mixer): two are refused by name."""
+    if len(choices) > 1:
+        named = [sorted({k for p, k in keywords.items() if p.startswith(f"{prefix}{c.name}")})[0] for c in choices]
+        raise ValueError(f"{' and '.join(named)} conflict: each chooses how attention is computed; choose one")
+    return choices[0]
+
+
 def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> LayersConfig:
+    keywords = keywords or {}
     groups: dict[str, dict[str, Any]] = {"attention": {}, "ff": {}, "": {}}
-    pieces: dict[str, dict[str, Any]] = {}
+    chosen: dict[str, dict[str, dict[str, Any]]] = {prefix: {} for prefix in CHOICE_STAGES}
     for path, value in values.items():
-        if path.startswith("attention.pattern."):
-            _, _, name, *field = path.split(".")
-            pieces.setdefault(name, {}).update({field[0]: value} if field else value)
+        prefix = next((p for p in CHOICE_STAGES if path.startswith(p)), None)
+        if prefix is not None:
+            name, *field = path[len(prefix):].split(".")
+            chosen[prefix].setdefault(name, {}).update({field[0]: value} if field else value)
             continue
         head, _, tail = path.partition(".")
         if tail:
             groups[head][tail] = value
         else:
             groups[""][head] = value
-    if pieces:
-        groups["attention"]["pattern"] = _pattern(pieces, keywords or {})
+    made = {prefix: _choices(stage, prefix, chosen[prefix], keywords)
+            for prefix, stage in CHOICE_STAGES.items() if chosen[prefix]}
+    if "attention.pattern." in made:
+        groups["attention"]["pattern"] = made["attention.pattern."]
+    if "attention.kernel." in made:
+        groups["attention"]["kernel"] = _one(made["attention.kernel."], "attention.kernel.", keywords)
+    if "mixer." in made:
+        groups[""]["mixer"] = _one(made["mixer."], "mixer.", keywords)
     return LayersConfig(
         attention=AttentionConfig(**groups["attention"]),
         ff=FeedForwardConfig(**groups["ff"]),

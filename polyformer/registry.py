@@ -10,11 +10,13 @@ from typing import Any, Callable
 
 from torch import nn
 
+from .attention.kernels import DIRECT_KERNELS
 from .attention.kernels.dense import DenseKernel
 from .attention.normalize import Entmax15, Softmax, TopK
 from .attention.patterns import PIECES
 from .feedforward import GeluTanh, ReluSquared
 from .interfaces import Caps
+from .mixers import MIXERS
 from .norm import LayerNorm, RMSNorm, ScaleNorm
 from .position.bias import AlibiBias, T5Bias
 from .position.rotary import Rotary
@@ -40,12 +42,17 @@ NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})
 # "infused" acts on the projection inputs (see attention/projection.py), the others on q and k
 POSITION = _plain({"none": None, "rotary": Rotary, "infused": None})
 SCORE_BIAS = _plain({"none": None, "t5": T5Bias, "alibi": AlibiBias})
-KERNEL = {"dense": Entry(DenseKernel, caps=DenseKernel.caps)}
+# how queries meet keys: dense softmax attention (the reference), or a kernel of form "direct"
+KERNEL = {"dense": Entry(DenseKernel.from_spec, caps=DenseKernel.caps),
+          **{name: Entry(k, k.options, k.caps) for name, k in DIRECT_KERNELS.items()}}
 # which keys each query sees (attention/patterns/): every piece is exact, its own rule
 PATTERN = {name: Entry(piece.build, piece.options, piece.caps) for name, piece in PIECES.items()}
 
+# what an 'a' block runs instead of attention (mixers/): built from (dim, LayersConfig, layer)
+MIXER = {name: Entry(m, m.options, m.caps) for name, m in MIXERS.items()}
+
 STAGES = {"norm": NORM, "residual": RESIDUAL, "activation": ACTIVATION, "normalize": NORMALIZE,
-          "position": POSITION, "bias": SCORE_BIAS, "kernel": KERNEL, "pattern": PATTERN}
+          "position": POSITION, "bias": SCORE_BIAS, "kernel": KERNEL, "pattern": PATTERN, "mixer": MIXER}
 
 
 def names(stage: str) -> list[str]:

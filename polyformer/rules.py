@@ -169,6 +169,11 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     for rule in RULES:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
+    from .attention.kernels.direct import problems as kernel_problems
+
+    found = kernel_problems(cfg)
+    if found:
+        raise ValueError(f"{owner}: " + found[0])
     if cfg.attention.pattern:
         from .attention.patterns import problems
 

@@ -21,7 +21,7 @@ from .feedforward import FeedForward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
 from .memory.kv_cache import DecodeState
-from .registry import NORM, RESIDUAL, SCORE_BIAS
+from .registry import MIXER, NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
 
 
@@ -156,6 +156,9 @@ class AttentionLayers(nn.Module):
         for index, (kind, s) in enumerate(zip(layout, shifts)):
             if kind == "f":
                 branch: nn.Module = FeedForward(cfg.dim, cfg.ff)
+            elif kind == "a" and cfg.mixer is not None:
+                branch = MIXER[cfg.mixer.name].build(cfg.dim, cfg, n_self)
+                n_self += 1
             else:
                 branch = Attention(cfg.dim, a, causal=cfg.causal, layer=n_self if kind == "a" else n_cross,
                                    cross=kind == "c",
@@ -180,7 +183,7 @@ class AttentionLayers(nn.Module):
         """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
         positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
         keeps just those (`window`, read by generation at every step). None otherwise."""
-        stages = [b.branch.pattern for b in self.blocks if b.kind == "a"]
+        stages = [getattr(b.branch, "pattern", None) for b in self.blocks if b.kind == "a"]
         if not stages or any(s is None or s.decode != "window" for s in stages):
             return None
         return stages[0].sinks, stages[0].span
@@ -197,17 +200,20 @@ class AttentionLayers(nn.Module):
         return steps + m
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> DecodeState:
-        """A decode state with room for max_len positions (see memory/kv_cache.py)."""
+                  device: torch.device | str | None = None, history: int = 1) -> DecodeState:
+        """A decode state with room for max_len positions (see memory/kv_cache.py). Blocks whose
+        kernel keeps a recurrent summary (Performer, linear, RFA) keep that instead of keys, and the
+        summaries after their last `history` positions, so that many positions can be rolled back."""
         if not self.causal:
             raise ValueError("a decode state needs a causal stack (a Decoder)")
-        first = next((b.branch for b in self.blocks if b.kind == "a"), None)
-        # no self-attention block (custom_layers "f", "cf"): nothing to cache but positions, shifts, context
-        heads = (first.project.kv_heads, first.project.qk_dim, first.project.v_heads, first.project.dim_head) \
-            if first is not None else (1, 1, 1, 1)
+        attention = [b.branch for b in self.blocks if b.kind == "a"]
+        kinds = tuple(a.decode_kind for a in attention)
+        first = next((a for a, kind in zip(attention, kinds) if kind == "keys"), None)
+        # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
+        heads = first.decode_dims if first is not None else (1, 1, 1, 1)
         param = next(self.parameters())
         return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
-                           device=device or param.device)
+                           device=device or param.device, kinds=kinds, history=history)
 
     @property
     def has_pos_emb(self) -> bool:

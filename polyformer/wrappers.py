@@ -14,7 +14,7 @@ from .embedding import (ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEm
                         TokenEmbedding)
 from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
-from .registry import NORM
+from .registry import MIXER, NORM
 from .stack import AttentionLayers, Intermediates
 
 
@@ -34,7 +34,8 @@ class SequenceWrapper(nn.Module):
 
     def _setup(self, *, attn_layers: AttentionLayers, max_seq_len: int, emb_dropout: float,
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
-               max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False) -> None:
+               max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False,
+               post_emb_proj: bool = False) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -46,6 +47,12 @@ class SequenceWrapper(nn.Module):
             raise ValueError(f"{owner}: max_mem_len and shift_mem_down must be >= 0")
         if shift_mem_down and not max_mem_len:
             raise ValueError(f"{owner}: shift_mem_down={shift_mem_down} needs max_mem_len > 0")
+        mixer = self.attn_layers.cfg.mixer
+        if max_mem_len and mixer is not None and not MIXER[mixer.name].caps.memories:
+            from .attention.kernels.direct import switch
+
+            raise ValueError(f"{owner}: max_mem_len={max_mem_len} needs attention to read the memories; "
+                             f"{switch('mixer.', mixer.name)} has none")
         if shift_mem_down >= max(1, self.attn_layers.num_self_attn):
             raise ValueError(f"{owner}: shift_mem_down must be < the number of self-attention blocks "
                              f"({self.attn_layers.num_self_attn}), got {shift_mem_down}")
@@ -74,6 +81,9 @@ class SequenceWrapper(nn.Module):
                 raise ValueError(f"{owner}: post_emb_norm=True uses the stack's norm, and use_rezero=True "
                                  "leaves the stack without one")
             self.post_emb_norm = NORM[cfg.norm].build(dim, cfg.norm_eps)
+        if not isinstance(post_emb_proj, bool):
+            raise TypeError(f"{owner}: post_emb_proj must be True or False, got {post_emb_proj!r}")
+        self.post_emb_proj = nn.Linear(dim, dim) if post_emb_proj else None
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
 
@@ -102,9 +112,10 @@ class SequenceWrapper(nn.Module):
             raise ValueError("state cannot be combined with mems / return_mems")
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> DecodeState:
-        """A decode state (KV cache) with room for max_len tokens of `batch` sequences."""
-        return self.attn_layers.new_state(batch, max_len + self.num_memory_tokens, dtype, device)
+                  device: torch.device | str | None = None, history: int = 1) -> DecodeState:
+        """A decode state (KV cache) with room for max_len tokens of `batch` sequences; blocks with a
+        recurrent summary keep it after each of the last `history` positions (for rollback)."""
+        return self.attn_layers.new_state(batch, max_len + self.num_memory_tokens, dtype, device, history)
 
     @property
     def num_memory_tokens(self) -> int:
@@ -120,11 +131,13 @@ class SequenceWrapper(nn.Module):
 
     def add_positions(self, h: Tensor, tok_pos: Tensor) -> Tensor:
         """Embeddings h (b, n, dim) at token positions tok_pos (b|1, n): plus the absolute
-        positions, then the post-embedding norm and dropout."""
+        positions, then the post-embedding norm, projection and dropout."""
         if self.pos_emb is not None:
             h = h + self.pos_emb(tok_pos).to(h.dtype)
         if self.post_emb_norm is not None:
             h = self.post_emb_norm(h)
+        if self.post_emb_proj is not None:
+            h = self.post_emb_proj(h)
         return self.emb_dropout(h)
 
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
@@ -207,6 +220,8 @@ class TransformerWrapper(SequenceWrapper):
         logits_bias: the untied output head has a bias (False: none, as Llama's lm_head).
         post_emb_norm: normalise the summed embeddings (token, extra, absolute position) with the
             stack's norm and norm_eps before the stack (BERT's embedding LayerNorm).
+        post_emb_proj: a linear layer (dim -> dim, with bias) after the post-embedding norm, before
+            dropout and the stack (FNet's embedding projection).
         embed_num_tokens: extra embedding tables added to the token embedding, {name: vocabulary
             size}, e.g. {"token_type": 2} for BERT's segments; forward takes their ids as
             `embed_ids={name: (b, n) ids}`, and a table whose ids are not given adds its id 0 at
@@ -228,7 +243,7 @@ class TransformerWrapper(SequenceWrapper):
                  use_abs_pos_emb: bool | None = None, scaled_sinu_pos_emb: bool = False,
                  max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None,
                  logits_bias: bool = True, post_emb_norm: bool = False,
-                 embed_num_tokens: dict[str, int] | None = None):
+                 embed_num_tokens: dict[str, int] | None = None, post_emb_proj: bool = False):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -244,7 +259,7 @@ class TransformerWrapper(SequenceWrapper):
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
-                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm)
+                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj)
         self.tie_embedding = tie_embedding
         self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens, bias=logits_bias)
 

@@ -33,6 +33,8 @@ SWITCHES: dict[str, Any] = {
     "sandwich_coef": 1, "custom_layers": ("a", "f", "a", "f"), "rotary_emb_dim": 4, "alibi_num_heads": 1,
     # attention patterns that stand alone (the others need a companion keyword: see tests/attention/patterns)
     "attn_window": 4, "attn_blockwise": 2, "attn_block_local": (4, 2), "attn_dilated": ((4, 1), (8, 2)),
+    # attention kernels chosen by a value (the others are flags)
+    "attn_linear": "elu",
 }
 # `TransformerWrapper` keywords that switch a feature on
 WRAPPER_SWITCHES: dict[str, Any] = {
@@ -47,8 +49,8 @@ BASE = dict(dim=16, depth=2, heads=2, attn_dim_head=8)
 
 
 def _field_type(path: str) -> Any:
-    if path.startswith("attention.pattern."):
-        return None                 # a pattern piece's option: numeric, a switch only when listed above
+    if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.")):
+        return None                 # a variant's option: a switch only when listed above
     cls: Any = LayersConfig
     *heads, last = path.split(".")
     for name in heads:
@@ -61,7 +63,7 @@ def _aliases() -> dict[str, str]:
     seen: dict[Any, str] = {}
     aliases = {}
     for name, route in KEYWORDS.items():
-        key = (route.path, route.convert, tuple(sorted((route.when_true or {}).items())))
+        key = (route.path, route.convert, repr(sorted((route.when_true or {}).items())))
         if key in seen:
             aliases[name] = seen[key]
         else:
@@ -116,8 +118,10 @@ def fast_path(cfg: LayersConfig) -> tuple[str, str]:
     reasons = list(needs_explicit_path(cfg))
     if cfg.attention.fused is False:
         reasons.append("attn_flash=False")
-    if not KERNEL[cfg.attention.kernel].caps.fused:
-        reasons.append(f"kernel {cfg.attention.kernel!r} has no fused path")
+    if cfg.mixer is not None:
+        reasons.append(f"mixer {cfg.mixer.name!r} replaces attention")
+    elif not KERNEL[cfg.attention.kernel.name].caps.fused:
+        reasons.append(f"kernel {cfg.attention.kernel.name!r} has no fused path")
     return ("ref", ", ".join(reasons)) if reasons else ("ok", "")
 
 

@@ -57,11 +57,38 @@ PATTERN_OPTIONS: dict[str, dict] = {
     "attn_local_2d": dict(attn_local_2d=dict(image=(4, 8), query=(2, 2), memory=(1, 1))),
     "attn_dilated": dict(attn_dilated=((4, 1), (8, 2))),
 }
+# one entry per registered attention kernel other than dense, and per mixer (registry.KERNEL /
+# registry.MIXER; tests/contracts keeps them in step), each with a keyword it combines with
+KERNEL_OPTIONS: dict[str, dict] = {
+    "attn_linear": dict(attn_linear="elu", attn_linear_chunk=4, rotary_pos_emb=True, attn_num_mem_kv=2),
+    "attn_linear_relu": dict(attn_linear="relu", attn_linear_chunk=3, attn_kv_heads=2),
+    "attn_performer": dict(attn_performer=True, attn_performer_features=16, attn_performer_chunk=4,
+                           rotary_pos_emb=True),
+    "attn_performer_relu": dict(attn_performer=True, attn_performer_kernel="relu", attn_one_kv_head=True),
+    "attn_rfa": dict(attn_rfa=True, attn_rfa_features=8, attn_rfa_chunk=4),
+    "attn_rfa_gate": dict(attn_rfa=True, attn_rfa_gate=True, attn_rfa_chunk=5, attn_kv_heads=2),
+    "attn_fnet": dict(attn_fnet=True),
+    "attn_linformer": dict(attn_linformer_k=4, attn_linformer_seq_len=32, attn_kv_heads=2, attn_num_mem_kv=2),
+    "attn_nystrom": dict(attn_nystrom_landmarks=4, attn_nystrom_conv=3, rotary_pos_emb=True),
+    # Attention Free Transformer (attention/kernels/aft.py)
+    "attn_aft_full": dict(attn_aft="full", attn_aft_max_len=32, attn_num_mem_kv=2),
+    "attn_aft_simple": dict(attn_aft="simple", rotary_pos_emb=True),
+    "attn_aft_local": dict(attn_aft="local", attn_aft_window=3, attn_aft_max_len=32, attn_kv_heads=2),
+    "attn_aft_conv": dict(attn_aft="conv", attn_aft_window=3, attn_kv_heads=2, attn_num_mem_kv=2),
+    # FLASH's gated attention unit (mixers/gau.py)
+    "gau": dict(gau=True, gau_qk_dim=8),
+    "gau_chunk": dict(gau=True, gau_chunk=4, gau_qk_dim=8, rotary_pos_emb=True),
+}
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise"}
+# kernels and mixers that cannot be causal (refused in a Decoder) or need one
+KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom"}
+KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
 DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}
 ENCODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in DECODER_ONLY}
+DECODER_KERNELS = {k: v for k, v in KERNEL_OPTIONS.items() if k not in KERNEL_ENCODER_ONLY}
+ENCODER_KERNELS = {k: v for k, v in KERNEL_OPTIONS.items() if k not in KERNEL_DECODER_ONLY}
 
 
 def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> torch.nn.Module:

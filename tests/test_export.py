@@ -92,6 +92,8 @@ def test_exported_decode_steps_equal_cached_eager_steps(name):
 
 
 def test_decode_step_module_refuses_state_it_cannot_carry_and_full_states():
+    with pytest.raises(ValueError, match="recurrent summary"):
+        DecodeStep(tiny_lm(attn_performer=True))
     with pytest.raises(ValueError, match="shift_tokens"):
         DecodeStep(tiny_lm(shift_tokens=1))
     with pytest.raises(ValueError, match="causal"):

@@ -105,6 +105,18 @@ LAYER_SPACE: dict[str, st.SearchStrategy] = {
     "attn_sparse_stride": sometimes([2, 3], 12),
     "attn_block_local": sometimes([(3, 2)], 12),
     "attn_dilated": sometimes([((4, 1), (8, 2))], 14),
+    # attention kernels of their own and mixers (tests/attention/kernels, tests/mixers hold each to its definition)
+    "attn_linear": sometimes(["elu", "relu"], 10),
+    "attn_performer": sometimes(TRUE, 10),
+    "attn_performer_features": sometimes([4, 8, 0], 12),
+    "attn_rfa": sometimes(TRUE, 12),
+    "attn_rfa_gate": sometimes(BOOL, 12),
+    "attn_fnet": sometimes(TRUE, 12),
+    "attn_linformer_k": sometimes([2, 4, 0], 12),
+    "attn_linformer_seq_len": sometimes([16, 32], 12),
+    "attn_nystrom_landmarks": sometimes([2, 3, 0], 12),
+    "gau": sometimes(TRUE, 10),
+    "gau_chunk": sometimes([2, 3, 0], 10),
     # feedforward
     "ff_mult": sometimes([1, 2, 0.5], 3),
     "ff_glu": sometimes(TRUE, 4),

@@ -441,6 +441,12 @@ def test_keyword_table_routes_to_real_fields():
     for piece, entry in registry.PATTERN.items():
         cfg_fields.add(f"attention.pattern.{piece}")
         cfg_fields |= {f"attention.pattern.{piece}.{k}" for k in entry.options.__dataclass_fields__}
+    # a kernel's or mixer's options likewise: attention.kernel.<name>[.<field>], mixer.<name>[.<field>]
+    for prefix, table in (("attention.kernel", registry.KERNEL), ("mixer", registry.MIXER)):
+        for name, entry in table.items():
+            cfg_fields.add(f"{prefix}.{name}")
+            if entry.options is not None:
+                cfg_fields |= {f"{prefix}.{name}.{k}" for k in entry.options.__dataclass_fields__}
     for name, route in KEYWORDS.items():
         paths = route.when_true.keys() if route.when_true is not None else [route.path]
         for path in paths:

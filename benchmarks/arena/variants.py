@@ -36,6 +36,7 @@ class Variant:
 POSITIONS = ("extrapolation",)
 ATTENTION = ("mqar", "listops", "efficiency")
 SPARSE = ("listops", "efficiency")
+LINEAR = ("mqar", "listops", "efficiency", "long_text")
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
     # --- attention (the dense kernel and its normalisers) --------------------------------------
@@ -96,6 +97,31 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("longnet", "LongNet dilated attention: (w, r) = (128, 1), (512, 2), (2048, 4), (8192, 8)",
             "arXiv:2307.02486", layers=dict(rotary_pos_emb=True, attn_dilated=((128, 1), (512, 2), (2048, 4),
                                                                                (8192, 8))), tasks=SPARSE),
+    # --- linear-time attention (attention/kernels/, mixers/): no n x n matrix --------------------
+    Variant("linear", "linear transformer: φ(q)ᵀ Σ φ(k) vᵀ with φ = elu + 1", "arXiv:2006.16236",
+            layers=dict(rotary_pos_emb=True, attn_linear="elu"), tasks=LINEAR),
+    Variant("performer", "Performer FAVOR+: 64 positive orthogonal random features for softmax", "arXiv:2009.14794",
+            layers=dict(rotary_pos_emb=True, attn_performer=True, attn_performer_features=64), tasks=LINEAR),
+    Variant("rfa_gate", "Random Feature Attention with its gate: 32 random Fourier frequencies", "arXiv:2103.02143",
+            layers=dict(rotary_pos_emb=True, attn_rfa=True, attn_rfa_features=32, attn_rfa_gate=True),
+            tasks=LINEAR, causal_only=True),
+    Variant("linformer", "Linformer: keys and values projected along the sequence to 256 rows (E, F learned)",
+            "arXiv:2006.04768", layers=dict(rotary_pos_emb=True, attn_linformer_k=256, attn_linformer_seq_len=32768),
+            tasks=("listops", "efficiency"), encoder_only=True),
+    Variant("nystrom", "Nyströmformer: 64 segment-mean landmarks, 6-step pseudo-inverse, conv residual 33",
+            "arXiv:2102.03902", layers=dict(rotary_pos_emb=True, attn_nystrom_landmarks=64, attn_nystrom_conv=33),
+            tasks=("listops", "efficiency"), encoder_only=True),
+    Variant("fnet", "FNet: Re(FFT2) over sequence and features replaces attention (no parameters)",
+            "arXiv:2105.03824", layers=dict(attn_fnet=True),
+            tasks=("listops", "efficiency"), encoder_only=True),
+    Variant("aft_simple", "AFT-simple: σ(Q) ⊙ Σ softmax_j(K_j) ⊙ V_j, no position biases", "arXiv:2105.14103",
+            layers=dict(rotary_pos_emb=True, attn_aft="simple"), tasks=LINEAR),
+    Variant("aft_conv", "AFT-conv: learned per-head position biases in a window of 64 around each query",
+            "arXiv:2105.14103", layers=dict(rotary_pos_emb=True, attn_aft="conv", attn_aft_window=64), tasks=LINEAR),
+    Variant("gau", "FLASH: gated attention units (relu² attention, e = 2·dim, s = 128) in place of attention + FF",
+            "arXiv:2202.10447", layers=dict(rotary_pos_emb=True, gau=True), tasks=("mqar", "listops")),
+    Variant("flash", "FLASH mixed chunk attention: GAU quadratic inside chunks of 256, linear across them",
+            "arXiv:2202.10447", layers=dict(rotary_pos_emb=True, gau=True, gau_chunk=256), tasks=LINEAR),
     # --- memories ----------------------------------------------------------------------------
     Variant("no_memory", "segments of 128 tokens, no memory of earlier segments", "arXiv:1901.02860",
             layers=dict(rotary_pos_emb=True), tasks=("long_text",)),

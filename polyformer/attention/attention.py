@@ -7,14 +7,16 @@ from torch import Tensor, nn
 
 from ..autodiff import needs_reference
 from ..config import AttentionConfig
-from ..interfaces import KV, AttnOut, Context
+from ..config import Choice
+from ..interfaces import KV, AttnOut, Context, KernelSpec
 from ..precision import upcast
 from ..registry import KERNEL, NORMALIZE, POSITION
 from . import patterns
 from .global_queries import GlobalQueries
 from .kernels import block_sparse
+from .kernels.direct import switch
 from .keys import MemoryKV, context_source, self_source
-from .mixing import Output, TalkingHeads
+from .mixing import Output
 from .projection import Projection
 
 
@@ -43,16 +45,31 @@ class Attention(nn.Module):
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
         normalize = NORMALIZE[cfg.normalize].build(cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize].build()
-        self.kernel = KERNEL[cfg.kernel].build(
-            cfg.heads, self.project.qk_dim ** -0.5, cfg.dropout, normalize,
-            pre_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
-            post_mix=TalkingHeads(cfg.heads) if cfg.talking_heads else None,
-            fused=cfg.fused, keep_scores=keep_scores)
+        choice = cfg.kernel
+        if cross and not KERNEL[choice.name].caps.cross:    # cross-attention stays dense unless it serves both
+            choice = Choice("kernel", "dense")
+        self.kernel = KERNEL[choice.name].build(KernelSpec(
+            heads=cfg.heads, kv_heads=self.project.kv_heads, dim_qk=self.project.qk_dim, dim_v=cfg.dim_head,
+            causal=self.causal, layer=layer, scale=self.project.qk_dim ** -0.5, dropout=cfg.dropout,
+            options=choice.options, normalize=normalize, talking_heads=cfg.talking_heads, fused=cfg.fused,
+            keep_scores=keep_scores))
+        self.direct = self.kernel.caps.form == "direct"
+        self.cfg_kernel = choice.name
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
                         if cfg.pattern and not cross else None)
         own = patterns.own_projections(cfg.pattern)
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
+
+    @property
+    def decode_kind(self) -> str:
+        """What this block keeps in a decode state: "keys" or "recurrent" (memory/recurrent.py)."""
+        return "recurrent" if self.kernel.caps.decode == "recurrent" else "keys"
+
+    @property
+    def decode_dims(self) -> tuple[int, int, int, int]:
+        """(key heads, key size, value heads, value size) of what a "keys" decode state stores."""
+        return self.project.kv_heads, self.project.qk_dim, self.project.v_heads, self.project.dim_head
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
         if self.cross:
@@ -61,10 +78,19 @@ class Attention(nn.Module):
             q, kv = self.project(x, self_source(x, ctx, self.layer), ctx.pos)   # q (b, h, i, d)
         if self.position is not None:
             q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)      # rotate before anything is cached
+        memory = None
         if ctx.state is not None and not self.cross:
-            kv = ctx.state.attend(self.layer, kv)                 # every key so far, written in place
+            if self.kernel.caps.decode == "recurrent":
+                memory = ctx.state.recurrent(self.layer)          # a fixed-size summary of earlier keys
+            else:
+                kv = ctx.state.attend(self.layer, kv)             # every key so far, written in place
         if self.memory_kv is not None:
             kv = self.memory_kv(kv)
+        if self.direct:
+            if ctx.prefix_span is not None:
+                raise ValueError(f"prefix_len cannot combine with {switch('attention.kernel.', self.cfg_kernel)}")
+            out = self.kernel(q, kv, q_pos=ctx.pos, causal=self.causal, memory=memory, need_weights=ctx.need_weights)
+            return AttnOut(self.output(out.out, x), weights=out.weights)
         if self.pattern is not None:
             out = self.patterned(q, kv, ctx, prev_scores)
             if self.global_queries is not None:

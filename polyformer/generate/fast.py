@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from .. import checks
+from ..attention.attention import Attention
 from ..attention.projection import split_heads
 from ..feedforward import FeedForward
 from ..interfaces import KV
@@ -121,6 +122,10 @@ class FastStep:
                 return f"a feedforward of type {type(block.branch).__name__}"
             if block.kind == "a":
                 attn = block.branch
+                if not isinstance(attn, Attention):
+                    return f"a mixer ({type(attn).__name__}) in place of attention"
+                if attn.direct:
+                    return "an attention kernel of its own (attn_performer, attn_linear, ...)"
                 if attn._bias and attn._bias[0] is not stack.shared_bias:
                     return "a score bias that is not the stack's own"
                 if attn.project.infusion is not None or attn.project.mixing is not None:

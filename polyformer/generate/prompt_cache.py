@@ -93,7 +93,14 @@ def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if kv.mask is not None:
             tensors[f"cross.{i}.mask"] = own(kv.mask)
         cross[str(i)] = kv.free
-    return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix}
+    recurrent = {}
+    for i, memory in state.recurrent_layers.items():
+        trail = memory.saved()
+        recurrent[str(i)] = [s is not None for s in trail]
+        for t, summary in enumerate(trail):
+            for name, x in (summary or {}).items():
+                tensors[f"recurrent.{i}.{t}.{name}"] = own(x)
+    return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix, "recurrent": recurrent}
 
 
 def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeState, prompt: Tensor) -> None:
@@ -121,8 +128,8 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
     if tuple(prompt.shape) != (state.batch, n):
         raise ValueError(f"prompt must have shape (state batch, cached tokens) = ({state.batch}, {n}), "
                          f"got {tuple(prompt.shape)}")
-    if state.k.shape[0] != net.attn_layers.num_self_attn:
-        raise ValueError(f"state holds {state.k.shape[0]} layers, the model has {net.attn_layers.num_self_attn} "
+    if state.layers != net.attn_layers.num_self_attn:
+        raise ValueError(f"state holds {state.layers} layers, the model has {net.attn_layers.num_self_attn} "
                          "self-attention blocks: it was made for another model")
     tensors, layout = _tensors(state)
     config = _config_json(net)
@@ -242,6 +249,18 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
             raise _corrupt(path, f"cross-attention keys / values {i} are missing")
         state.cross[int(i)] = KV(tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"], tensors.get(f"cross.{i}.pos"),
                                  tensors.get(f"cross.{i}.mask"), int(free))
+    for i, present in layout.get("recurrent", {}).items():
+        if int(i) not in state.recurrent_layers or not isinstance(present, list) or not present:
+            raise _corrupt(path, f"recurrent summary {i} does not fit this model")
+        trail = []
+        for t, there in enumerate(present):
+            names = {key.rsplit(".", 1)[1] for key in tensors if key.startswith(f"recurrent.{i}.{t}.")}
+            if there and not names:
+                raise _corrupt(path, f"recurrent summary {i} is missing")
+            trail.append({n: tensors[f"recurrent.{i}.{t}.{n}"] for n in sorted(names)} if there else None)
+        state.recurrent_layers[int(i)].restore(trail)
+    if set(state.recurrent_layers) != {int(i) for i in layout.get("recurrent", {})}:
+        raise _corrupt(path, "the recurrent summaries do not match this model's blocks")
     prefix = layout.get("prefix")
     if not isinstance(prefix, int) or not 0 <= prefix <= length:
         raise _corrupt(path, f"bad memory-token prefix {prefix!r}")

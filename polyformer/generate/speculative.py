@@ -58,10 +58,11 @@ class CachedModel:
     """One model's decode state during speculation: `unseen` are committed tokens its cache has not
     taken yet, `fed` the speculative tokens it holds beyond the committed ones."""
 
-    def __init__(self, net: TransformerWrapper, prompts: Tensor, mask: Tensor | None, max_len: int):
+    def __init__(self, net: TransformerWrapper, prompts: Tensor, mask: Tensor | None, max_len: int, history: int):
         self.net = net
         self.fast = fast_step(net)            # one-token steps (the draft's) without the module tree
-        self.state = net.new_state(prompts.shape[0], max_len)
+        # recurrent layers keep the summaries of the last `history` positions: a round's rejects roll back
+        self.state = net.new_state(prompts.shape[0], max_len, history=history)
         self.last = net(prompts, mask=mask, pos=left_padded_positions(mask), state=self.state)[:, -1:]
         self.unseen = prompts[:, :0]
         self.fed = 0
@@ -198,8 +199,8 @@ def speculative_generate(target: nn.Module, draft: nn.Module, prompts: Tensor, s
     for net, _ in modes:
         net.eval()
     try:
-        target_run = CachedModel(target_net, prompts, mask, n + seq_len)
-        draft_run = CachedModel(draft_net, prompts, mask, n + seq_len)
+        target_run = CachedModel(target_net, prompts, mask, n + seq_len, history=gamma + 1)
+        draft_run = CachedModel(draft_net, prompts, mask, n + seq_len, history=gamma + 1)
         out = prompts.new_full((b, seq_len), pad_value)
         done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
         t = accepted = proposed = 0

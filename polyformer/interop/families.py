@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from .bert import BERT
 from .family import Family, Unsupported
+from .fnet import FNET
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .longformer import LONGFORMER
+from .nystromformer import NYSTROMFORMER
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET)}
 SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
 
 

@@ -35,6 +35,7 @@ def facts(model: TransformerWrapper) -> dict[str, Any]:
         "logits_dim": logits.out_features if logits is not None else model.num_tokens,
         "emb_dim": model.token_emb.embedding_dim,
         "post_emb_norm": model.post_emb_norm is not None,
+        "post_emb_proj": model.post_emb_proj is not None,
         "embed_num_tokens": {k: e.num_embeddings for k, e in (model.embeds or {}).items()},
         "num_memory_tokens": model.num_memory_tokens,
     }

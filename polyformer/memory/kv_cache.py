@@ -9,12 +9,16 @@ from torch import Tensor
 
 from .. import checks
 from ..interfaces import KV
+from .recurrent import Recurrent
 
 
 class DecodeState:
     """Everything a decoder needs to continue a batch of sequences one step at a time.
 
-    k, v: (layers, b, hk, max_len, d) written at [length, length + n) by each step.
+    k, v: (key layers, b, hk, max_len, d) written at [length, length + n) by each step, one row per
+        self-attention block whose kernel keeps keys (`kinds`, in order).
+    recurrent: per self-attention block whose kernel keeps a recurrent summary, its `Recurrent` state
+        (fixed size; `history` positions of it can be rolled back).
     pos, mask: (b, max_len) positions and padding of the cached keys, shared by all layers; the
         positions of each row only grow, so a new token comes after every cached key.
     cross: per cross-attention block, keys / values of the context, computed once.
@@ -22,11 +26,19 @@ class DecodeState:
     """
 
     def __init__(self, layers: int, batch: int, max_len: int, k_heads: int, dim_k: int, v_heads: int,
-                 dim_v: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dim_v: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kinds: tuple[str, ...] | None = None, history: int = 1):
         if max_len < 1 or batch < 1:
             raise ValueError(f"batch and max_len must be >= 1, got {batch} and {max_len}")
-        self.k = torch.zeros(layers, batch, k_heads, max_len, dim_k, dtype=dtype, device=device)
-        self.v = torch.zeros(layers, batch, v_heads, max_len, dim_v, dtype=dtype, device=device)
+        kinds = kinds if kinds is not None else ("keys",) * layers
+        if len(kinds) != layers or set(kinds) - {"keys", "recurrent"}:
+            raise ValueError(f"kinds must name 'keys' or 'recurrent' for each of the {layers} layers, got {kinds}")
+        keyed = kinds.count("keys")
+        self.k = torch.zeros(keyed, batch, k_heads, max_len, dim_k, dtype=dtype, device=device)
+        self.v = torch.zeros(keyed, batch, v_heads, max_len, dim_v, dtype=dtype, device=device)
+        self.kinds = tuple(kinds)
+        self.rows = self._rows(self.kinds)
+        self.recurrent_layers = {i: Recurrent(history) for i, kind in enumerate(kinds) if kind == "recurrent"}
         self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.mask = torch.ones(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0          # positions already committed
@@ -45,13 +57,27 @@ class DecodeState:
 
     @classmethod
     def _wrap(cls, k: Tensor, v: Tensor, pos: Tensor, mask: Tensor, *, length: int, prefix: int, padded: bool,
-              pending: int = 0, cross: dict | None = None, shift: dict | None = None) -> "DecodeState":
+              pending: int = 0, cross: dict | None = None, shift: dict | None = None,
+              kinds: tuple[str, ...] | None = None, recurrent: dict[int, Recurrent] | None = None) -> "DecodeState":
         """A state over the given tensors, every field set (the one place besides __init__)."""
         new = cls.__new__(cls)
         new.k, new.v, new.pos, new.mask = k, v, pos, mask
         new.length, new.prefix, new.padded, new.pending = length, prefix, padded, pending
         new.cross, new.shift = cross or {}, shift or {}
+        new.kinds = kinds if kinds is not None else ("keys",) * k.shape[0]
+        new.rows = cls._rows(new.kinds)
+        new.recurrent_layers = recurrent or {}
         return new
+
+    @staticmethod
+    def _rows(kinds: tuple[str, ...]) -> dict[int, int]:
+        """Layer -> its row of the key / value storage, for the layers that keep keys."""
+        keyed = [i for i, kind in enumerate(kinds) if kind == "keys"]
+        return {layer: row for row, layer in enumerate(keyed)}
+
+    @property
+    def layers(self) -> int:
+        return len(self.kinds)
 
     @property
     def batch(self) -> int:
@@ -78,6 +104,15 @@ class DecodeState:
                 raise ValueError("memory tokens can only start a decode state")
             self.prefix = prefix
         self.pending = n
+        for memory in self.recurrent_layers.values():
+            memory.begin(n)
+
+    def recurrent(self, layer: int) -> Recurrent:
+        """The recurrent summary of self-attention block `layer` (its kernel reads and writes it)."""
+        if layer not in self.recurrent_layers:
+            raise ValueError(f"self-attention block {layer} keeps keys in this decode state, not a recurrent "
+                             "summary: the state was made for another model")
+        return self.recurrent_layers[layer]
 
     def attend(self, layer: int, kv: KV) -> KV:
         """Write this step's keys / values of `layer`, return every cached key so far."""
@@ -89,7 +124,10 @@ class DecodeState:
         """Write this step's keys k (b, hk, n, d) and values v of `layer` in place; return all the
         layer's keys and values so far, (b, hk, length + n, d) views of the storage."""
         end = self.length + self.pending
-        keys, values = self.k[layer], self.v[layer]
+        if layer not in self.rows:
+            raise ValueError(f"self-attention block {layer} keeps a recurrent summary in this decode state, not "
+                             "keys: the state was made for another model")
+        keys, values = self.k[self.rows[layer]], self.v[self.rows[layer]]
         keys[:, :, self.length:end] = k
         values[:, :, self.length:end] = v
         return keys[:, :, :end], values[:, :, :end]
@@ -111,16 +149,23 @@ class DecodeState:
     def commit(self) -> None:
         self.length += self.pending
         self.pending = 0
+        for memory in self.recurrent_layers.values():
+            memory.commit()
 
     def rollback(self, n: int) -> None:
         """Forget the last n positions (rejected speculative tokens)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot roll back {n} positions of {self.length}")
+        for memory in self.recurrent_layers.values():     # every layer can, or none is touched
+            memory.check_rollback(n)
+        for memory in self.recurrent_layers.values():
+            memory.rollback(n)
         self.length -= n
 
     def slide(self, n: int, keep: int = 0) -> None:
         """Drop the n oldest positions after the first `keep` (memory tokens stay as attention
-        sinks), moving the rest down in place: a sliding window over the cache."""
+        sinks), moving the rest down in place: a sliding window over the cache. A recurrent summary
+        keeps what it summarised (it cannot forget a key)."""
         if not 0 <= n <= self.length - keep:
             raise ValueError(f"cannot slide {n} positions out of {self.length - keep}")
         if n == 0:
@@ -139,7 +184,8 @@ class DecodeState:
         return self._wrap(self.k.clone(), self.v.clone(), self.pos.clone(), self.mask.clone(), length=self.length,
                           prefix=self.prefix, padded=self.padded, pending=self.pending,
                           cross=dict(self.cross),     # context keys are never written after they are made
-                          shift={i: h.clone() for i, h in self.shift.items()})
+                          shift={i: h.clone() for i, h in self.shift.items()}, kinds=self.kinds,
+                          recurrent={i: m.clone() for i, m in self.recurrent_layers.items()})
 
     def reorder(self, indices: Tensor) -> None:
         """Keep batch rows `indices` (beam search), in that order."""
@@ -151,3 +197,11 @@ class DecodeState:
                             None if kv.mask is None else kv.mask.index_select(0, indices), kv.free)
                       for i, kv in self.cross.items()}
         self.shift = {i: h.index_select(0, indices) for i, h in self.shift.items()}
+        for memory in self.recurrent_layers.values():
+            memory.reorder(indices)
+
+    def nbytes(self) -> int:
+        """Bytes the state holds (keys, values, positions, summaries; context keys excluded)."""
+        tensors = [self.k, self.v, self.pos, self.mask, *self.shift.values()]
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(m.nbytes() for m in self.recurrent_layers.values()))

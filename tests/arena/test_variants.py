@@ -10,7 +10,8 @@ from benchmarks.arena.harness import Budget, Optimiser, build_model
 from benchmarks.arena.variants import TASK_NAMES, VARIANTS, Variant, for_task, variant
 from polyformer import registry
 
-STAGES = {"position": "position", "bias": "bias", "kernel": "kernel", "normalize": "normalize", "pattern": "pattern"}
+STAGES = {"position": "position", "bias": "bias", "kernel": "kernel", "normalize": "normalize", "pattern": "pattern",
+          "mixer": "mixer"}
 
 
 def tiny(v: Variant, causal: bool) -> torch.nn.Module:
@@ -39,9 +40,14 @@ def test_every_variant_builds_and_is_causal_in_a_decoder(name):
 def reached(stage: str) -> set[str]:
     names = set()
     for v in VARIANTS.values():
-        cfg = tiny(v, causal=not v.encoder_only).attn_layers.cfg.attention
+        layers = tiny(v, causal=not v.encoder_only).attn_layers.cfg
+        cfg = layers.attention
         if stage == "pattern":
             names |= {c.name for c in cfg.pattern}
+        elif stage == "kernel":
+            names.add(cfg.kernel.name)
+        elif stage == "mixer":
+            names |= {layers.mixer.name} if layers.mixer is not None else set()
         else:
             names.add(getattr(cfg, stage))
     return names

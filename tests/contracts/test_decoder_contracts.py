@@ -14,11 +14,12 @@ from torch.testing import assert_close
 from polyformer import AttentionLayers, Decoder, Encoder, LayersConfig, TransformerWrapper
 from polyformer.config import from_dict, to_dict
 from tests.helpers import WRAPPER_KEYS, ids, tiny_lm
-from tests.options import DECODER_OPTIONS, DECODER_PATTERNS, ENCODER_ONLY, PATTERN_OPTIONS, perturb
+from tests.options import (DECODER_KERNELS, DECODER_OPTIONS, DECODER_PATTERNS, ENCODER_ONLY, KERNEL_ENCODER_ONLY,
+                           KERNEL_OPTIONS, PATTERN_OPTIONS, perturb)
 
 NUM_TOKENS = 64
 
-OPTIONS = {**DECODER_OPTIONS, **DECODER_PATTERNS}
+OPTIONS = {**DECODER_OPTIONS, **DECODER_PATTERNS, **DECODER_KERNELS}
 NAMES = list(OPTIONS)
 
 
@@ -31,6 +32,18 @@ def test_every_registered_pattern_runs_through_the_contracts():
         stack = Encoder if name in ENCODER_ONLY else Decoder
         seen |= {c.name for c in tiny_lm(stack, **keywords).attn_layers.cfg.attention.pattern}
     assert seen == set(registry.names("pattern")), sorted(set(registry.names("pattern")) - seen)
+
+
+def test_every_registered_kernel_and_mixer_runs_through_the_contracts():
+    """A kernel or mixer added to the registry without an option set here is seen by no contract."""
+    from polyformer import registry
+
+    seen = set()
+    for name, keywords in KERNEL_OPTIONS.items():
+        cfg = tiny_lm(Encoder if name in KERNEL_ENCODER_ONLY else Decoder, **keywords).attn_layers.cfg
+        seen |= {f"kernel.{cfg.attention.kernel.name}"} | ({f"mixer.{cfg.mixer.name}"} if cfg.mixer else set())
+    wanted = {f"kernel.{n}" for n in registry.names("kernel")} | {f"mixer.{n}" for n in registry.names("mixer")}
+    assert wanted - {"kernel.dense"} <= seen, sorted(wanted - seen - {"kernel.dense"})
 
 
 def build(name: str, seed: int = 0, depth: int = 2) -> TransformerWrapper:

@@ -9,11 +9,11 @@ from torch.testing import assert_close
 
 from polyformer import Encoder, TransformerWrapper
 from tests.helpers import ids, tiny_lm
-from tests.options import ENCODER_OPTIONS, ENCODER_PATTERNS, perturb
+from tests.options import ENCODER_KERNELS, ENCODER_OPTIONS, ENCODER_PATTERNS, perturb
 
 NUM_TOKENS = 64
 
-OPTIONS = {**ENCODER_OPTIONS, **ENCODER_PATTERNS}
+OPTIONS = {**ENCODER_OPTIONS, **ENCODER_PATTERNS, **ENCODER_KERNELS}
 NAMES = list(OPTIONS)
 
 

@@ -16,7 +16,9 @@ from polyformer.generate.beam import beam_search
 from polyformer.generate.decode import AutoregressiveWrapper, left_padded_positions
 from tests.helpers import ids, tiny_encoder, tiny_lm
 
-MODELS = {"plain": {}, "rotary": dict(rotary_pos_emb=True)}
+MODELS = {"plain": {}, "rotary": dict(rotary_pos_emb=True),
+          "performer": dict(attn_performer=True, attn_performer_features=8),     # a recurrent decode state
+          "rfa_gate": dict(attn_rfa=True, attn_rfa_gate=True)}
 
 
 def peaky(net: torch.nn.Module, scale: float = 3.0, eos: int | None = None, eos_bias: float = 1.0):

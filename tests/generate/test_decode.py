@@ -11,9 +11,9 @@ from torch.testing import assert_close
 from polyformer import (AutoregressiveWrapper, ContinuousAutoregressiveWrapper, ContinuousTransformerWrapper,
                         Decoder, TransformerWrapper, XLAutoregressiveWrapper, XTransformer)
 from tests.helpers import ids, tiny_lm
-from tests.options import DECODER_OPTIONS, DECODER_PATTERNS, perturb
+from tests.options import DECODER_KERNELS, DECODER_OPTIONS, DECODER_PATTERNS, perturb
 
-OPTIONS = {**DECODER_OPTIONS, **DECODER_PATTERNS}
+OPTIONS = {**DECODER_OPTIONS, **DECODER_PATTERNS, **DECODER_KERNELS}
 
 
 def model_with(name):

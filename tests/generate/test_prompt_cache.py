@@ -22,6 +22,8 @@ MODELS = {
     "shift_tokens": dict(shift_tokens=1),
     "num_memory_tokens": dict(num_memory_tokens=3),
     "shift_tokens+num_memory_tokens": dict(shift_tokens=1, num_memory_tokens=2),
+    "performer": dict(attn_performer=True, attn_performer_features=8, attn_performer_chunk=4),
+    "rfa_gate": dict(attn_rfa=True, attn_rfa_gate=True, rotary_pos_emb=True),
 }
 STEPS = 6
 
@@ -103,7 +105,7 @@ def test_cross_attention_cache(tmp_path):
     assert torch.equal(continue_greedy(net, state, prompt, STEPS, context=context), scratch)
 
 
-@pytest.mark.parametrize("name", ["rotary", "shift_tokens"])
+@pytest.mark.parametrize("name", ["rotary", "shift_tokens", "performer"])
 def test_two_continuations_from_one_cache_are_independent(name, tmp_path):
     net = build(name)
     prompt = ids(1, 8, 32, seed=2)

@@ -75,10 +75,13 @@ def test_drafts_span_acceptance(models):
 
 
 @pytest.mark.parametrize("option", [dict(rotary_pos_emb=True), dict(alibi_pos_emb=True),
-                                    dict(num_memory_tokens=2), dict(shift_tokens=1), dict(attn_kv_heads=2)],
-                         ids=["rotary", "alibi", "memory_tokens", "shift_tokens", "gqa"])
+                                    dict(num_memory_tokens=2), dict(shift_tokens=1), dict(attn_kv_heads=2),
+                                    dict(attn_performer=True, attn_performer_chunk=2),
+                                    dict(attn_rfa=True, attn_rfa_gate=True, attn_rfa_chunk=3)],
+                         ids=["rotary", "alibi", "memory_tokens", "shift_tokens", "gqa", "performer", "rfa_gate"])
 def test_greedy_equals_target_greedy_across_decoders(option):
-    """Rollback must leave every kind of cached state (rotated keys, memory tokens, shifted inputs) valid."""
+    """Rollback must leave every kind of cached state (rotated keys, memory tokens, shifted inputs,
+    recurrent summaries) valid."""
     target = tiny_lm(**option)
     draft = noisy_copy(target, 1.0, seed=3)
     prompts, mask = left_padded()

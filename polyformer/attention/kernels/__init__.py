@@ -1,1 +1,11 @@
-"""Attention kernels: each takes queries, keys / values, a keep-mask and a bias, and returns AttnOut."""
+"""Attention kernels: the dense kernel (`dense.py`: queries, keys / values, a keep-mask and a bias ->
+AttnOut) and the kernels of form "direct" that compute attention without the score matrix, each a
+small module of its own, listed here by name (the registry reads this table)."""
+
+from .aft import Aft
+from .linear import KERNELS as _KERNEL_METHODS
+from .linformer import Linformer
+from .nystrom import Nystrom
+
+DIRECT_KERNELS: dict = {**_KERNEL_METHODS, "linformer": Linformer, "nystrom": Nystrom}
+DIRECT_KERNELS["aft"] = Aft

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...autodiff import needs_reference
-from ...interfaces import KV, AttnOut, Caps
+from ...interfaces import KV, AttnOut, Caps, KernelSpec
 from ...precision import upcast
+from ..mixing import TalkingHeads
 from . import cpu
 
 
@@ -38,7 +39,7 @@ class DenseKernel(nn.Module):
     causal pattern (requires i == j); prev_scores: residual attention scores to add (b, h, i, j).
     """
 
-    caps = Caps(exact=True, bias=True, fused=True, decode="keys")
+    caps = Caps(exact=True, bias=True, fused=True, decode="keys", cross=True)
 
     def __init__(self, heads: int, scale: float, dropout: float, normalize: nn.Module,
                  pre_mix: nn.Module | None = None, post_mix: nn.Module | None = None,
@@ -53,6 +54,13 @@ class DenseKernel(nn.Module):
         self.keep_scores = keep_scores
         self.can_fuse = (fused is not False and getattr(normalize, "fusable", False)
                          and pre_mix is None and post_mix is None and not keep_scores)
+
+    @classmethod
+    def from_spec(cls, spec: KernelSpec) -> "DenseKernel":
+        return cls(spec.heads, spec.scale, spec.dropout, spec.normalize,
+                   pre_mix=TalkingHeads(spec.heads) if spec.talking_heads else None,
+                   post_mix=TalkingHeads(spec.heads) if spec.talking_heads else None,
+                   fused=spec.fused, keep_scores=spec.keep_scores)
 
     def forward(self, q: Tensor, kv: KV, *, mask: Tensor | None, bias: Tensor | None,
                 causal: bool, prev_scores: Tensor | None = None, need_weights: bool = False) -> AttnOut:

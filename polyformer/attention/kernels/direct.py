@@ -1,0 +1,57 @@
+"""What is wrong with a kernel or mixer choice, read from its declared caps, naming the keywords."""
+
+from __future__ import annotations
+
+from ...config import LayersConfig
+
+
+def switch(prefix: str, name: str) -> str:
+    """The public keyword that chooses variant `name` of a choice stage ("attention.kernel.",
+    "mixer."): the keyword table's first row writing under `<prefix><name>`."""
+    from ...keywords import KEYWORDS
+
+    for keyword, route in KEYWORDS.items():
+        paths = [route.path] if route.path is not None else list(route.when_true or {})
+        if any(p == f"{prefix}{name}" or p.startswith(f"{prefix}{name}.") for p in paths):
+            return keyword
+    raise KeyError(f"no keyword chooses {prefix}{name}")
+
+
+def problems(cfg: LayersConfig) -> list[str]:
+    """What a kernel or mixer cannot combine with, read from its declared caps; then its own check."""
+    from ...registry import KERNEL, MIXER
+    from ..patterns import keyword as pattern_keyword
+
+    found = []
+    a = cfg.attention
+    if cfg.mixer is not None and a.kernel.name != "dense":
+        found.append(f"{switch('mixer.', cfg.mixer.name)} and {switch('attention.kernel.', a.kernel.name)} "
+                     "conflict: each replaces attention; choose one")
+    for prefix, choice, table in (("attention.kernel.", a.kernel, KERNEL), ("mixer.", cfg.mixer, MIXER)):
+        if choice is None or choice.name == "dense":
+            continue
+        entry = table[choice.name]
+        caps, name = entry.caps, switch(prefix, choice.name)
+        if cfg.causal and not caps.causal:
+            found.append(f"{name} lets every position see later ones: it cannot be causal (causal=True, a "
+                         "Decoder); use it on an Encoder")
+        if not cfg.causal and not caps.bidirectional:
+            found.append(f"{name} needs a causal stack (a Decoder)")
+        if a.bias != "none" and not caps.bias:
+            found.append(f"{name} cannot take the stack's score bias "
+                         f"({'rel_pos_bias' if a.bias == 't5' else 'alibi_pos_emb'})")
+        if a.normalize != "softmax":
+            other = {"topk": "attn_sparse_topk", "entmax15": "attn_use_entmax15"}.get(a.normalize, a.normalize)
+            found.append(f"{name} replaces the softmax; {other} cannot combine with it")
+        for flag, on in (("attn_talking_heads", a.talking_heads), ("residual_attn", cfg.residual_attn)):
+            if on:
+                found.append(f"{name} keeps no attention scores to share: {flag} needs them")
+        if a.pattern:
+            named = " / ".join(dict.fromkeys(pattern_keyword(c.name) for c in a.pattern))
+            found.append(f"{name} cannot combine with a sparse attention pattern ({named})")
+        if a.fused is True:
+            found.append(f"attn_flash=True asks for the fused dense kernel; {name} computes attention its own way")
+        check = getattr(entry.build, "check", None)
+        if check is not None:
+            found += check(choice.options, cfg)
+    return found

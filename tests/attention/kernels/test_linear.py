@@ -1,0 +1,170 @@
+"""Kernel attention's three forms agree (causal chunked == token by token == masked quadratic),
+nothing a query computes depends on later keys (not even through a maximum), scaled inputs stay
+finite, and the linear transformer equals its formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from polyformer import Decoder, Encoder
+from polyformer.attention.kernels import linear_core as core
+from polyformer.interfaces import KV, KernelSpec
+from polyformer.attention.kernels.linear import KERNELS, LinearOptions, PerformerOptions, RfaOptions
+
+
+def terms(n: int = 29, seed: int = 0, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(2, 3, n, 5, generator=g, dtype=torch.float64)
+    k = torch.rand(2, 3, n, 5, generator=g, dtype=torch.float64)
+    a = torch.randn(2, 3, n, generator=g, dtype=torch.float64) * scale
+    v = torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64)
+    d = -torch.rand(2, 3, n, generator=g, dtype=torch.float64) * 0.5
+    return q, k, a, v, d
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_chunked_equals_quadratic_and_token_by_token(gated, chunk):
+    q, k, a, v, d = terms()
+    a[1, 2, 5] = float("-inf")                                  # a padded key
+    decay = d if gated else None
+    reference, _ = core.quadratic(q, k, a, v, decay)
+    out, _, _ = core.chunked(q, k, a, v, decay=decay, chunk=chunk)
+    assert_close(out, reference, atol=1e-12, rtol=1e-10)
+    state, steps = None, []
+    for t in range(q.shape[2]):
+        one = (slice(None), slice(None), slice(t, t + 1))
+        o, state, _ = core.chunked(q[one], k[one], a[one], v[one], decay=None if decay is None else decay[one],
+                                   start=state, chunk=chunk)
+        steps.append(o)
+    assert_close(torch.cat(steps, 2), reference, atol=1e-12, rtol=1e-10)
+
+
+def test_the_summaries_after_trailing_positions_continue_exactly():
+    q, k, a, v, d = terms()
+    reference, _ = core.quadratic(q, k, a, v, d)
+    _, _, trailing = core.chunked(q[:, :, :20], k[:, :, :20], a[..., :20], v[:, :, :20], decay=d[..., :20], trail=4)
+    after_17 = {name: x[:, 1] for name, x in trailing.items()}      # oldest first: positions 16, 17, 18, 19
+    out, _, _ = core.chunked(q[:, :, 18:], k[:, :, 18:], a[..., 18:], v[:, :, 18:], decay=d[..., 18:], start=after_17)
+    assert_close(out, reference[:, :, 18:], atol=1e-12, rtol=1e-10)
+
+
+def test_no_query_depends_on_a_later_key_even_a_huge_one():
+    """performer-pytorch's causal mode takes a key maximum over the whole sequence (its #45): a later
+    key with a huge weight then moves earlier outputs. Here the maximum runs over j <= i only."""
+    q, k, a, v, _ = terms(n=16)
+    q, k, a, v = q.float(), k.float(), a.float(), v.float()
+    later = a.clone()
+    later[..., 12] = 200.0
+    for chunk in (4, 16):
+        x, _, _ = core.chunked(q, k, a, v, chunk=chunk)
+        y, _, _ = core.chunked(q, k, later, v, chunk=chunk)
+        assert torch.equal(x[:, :, :12], y[:, :, :12])
+        assert torch.isfinite(y).all()
+
+
+def test_scaled_inputs_stay_finite_and_exact():
+    q, k, a, v, _ = terms()
+    big = a * 1000.0                                              # exp would overflow float32 by far
+    reference, _ = core.quadratic(q, k, big, v)
+    out, _, _ = core.chunked(q.float(), k.float(), big.float(), v.float(), chunk=8)
+    assert torch.isfinite(out).all()
+    assert_close(out.double(), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_bidirectional_equals_the_unmasked_quadratic_form():
+    q, k, a, v, _ = terms()
+    assert_close(core.bidirectional(q, k, a, v), core.quadratic(q, k, a, v, causal=False)[0])
+
+
+def spec(options, causal=True, heads=2, kv_heads=2, d=8) -> KernelSpec:
+    return KernelSpec(heads=heads, kv_heads=kv_heads, dim_qk=d, dim_v=d, causal=causal, layer=0, scale=d ** -0.5,
+                      options=options)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_transformer_equals_its_formula(causal):
+    """Katharopoulos et al.: φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / φ(q_i)ᵀ Σ_j φ(k_j), φ = elu + 1."""
+    torch.manual_seed(0)
+    kernel = KERNELS["linear"](spec(LinearOptions("elu", chunk=4), causal))
+    q, k, v = (torch.randn(2, 2, 11, 8, dtype=torch.float64) for _ in range(3))
+    out = kernel(q, KV(k, v, torch.arange(11)[None], None), q_pos=torch.arange(11)[None], causal=causal,
+                 memory=None, need_weights=False).out
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    scores = fq @ fk.transpose(-1, -2)
+    if causal:
+        scores = scores.tril()
+    assert_close(out, (scores @ v) / scores.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("name,options", [("linear", LinearOptions("elu", chunk=3)),
+                                          ("performer", PerformerOptions(features=12, chunk=3)),
+                                          ("rfa", RfaOptions(features=6, chunk=3))])
+def test_kernels_with_memory_keys_and_padding_equal_their_quadratic_form(name, options):
+    """Keys before the queries (memory key / values, XL memories) are seen by every query, padded keys
+    by none; return_attn shows the quadratic form's weights, whose output is the same."""
+    torch.manual_seed(1)
+    kernel = KERNELS[name](spec(options, heads=4, kv_heads=2)).double()
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 12, 8, dtype=torch.float64), torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[0, 4] = False
+    kv = KV(k, v, torch.arange(11)[None], mask, free=1)
+    kw = dict(q_pos=torch.arange(2, 11)[None], causal=True, memory=None)
+    fast = kernel(q, kv, need_weights=False, **kw).out
+    shown = kernel(q, kv, need_weights=True, **kw)
+    assert_close(fast, shown.out)
+    assert (shown.weights[0, :, :, 5] == 0).all()                         # the padded key (free key first)
+    assert (shown.weights[..., :3].abs() > 0).all()                      # memory keys and mems: every query
+    assert (shown.weights[:, :, 0, 4:] == 0).all()                       # the first query sees no later key
+
+
+def test_bad_options_are_refused_by_keyword():
+    for keywords, named in [(dict(attn_performer=True, attn_performer_features=0), "attn_performer_features"),
+                            (dict(attn_performer=True, attn_performer_kernel="cos"), "attn_performer_kernel"),
+                            (dict(attn_performer=True, attn_performer_redraw=-1), "attn_performer_redraw"),
+                            (dict(attn_rfa=True, attn_rfa_features=0), "attn_rfa_features"),
+                            (dict(attn_linear="tanh"), "attn_linear"),
+                            (dict(attn_linear_chunk=4), "attn_linear"),
+                            (dict(attn_performer_features=4), "attn_performer"),
+                            (dict(attn_linear="elu", attn_performer=True), "attn_linear and attn_performer"),
+                            (dict(attn_linear="elu", rel_pos_bias=True), "rel_pos_bias"),
+                            (dict(attn_linear="elu", attn_sparse_topk=2), "attn_sparse_topk"),
+                            (dict(attn_linear="elu", attn_window=4), "attn_window"),
+                            (dict(attn_linear="elu", residual_attn=True), "residual_attn")]:
+        with pytest.raises(ValueError, match=named):
+            Decoder(dim=16, depth=1, heads=2, **keywords)
+    with pytest.raises(ValueError, match="attn_rfa_gate"):
+        Encoder(dim=16, depth=1, heads=2, attn_rfa=True, attn_rfa_gate=True)
+    with pytest.raises(ValueError, match="attn_rfa_gate.*attn_num_mem_kv"):
+        Decoder(dim=16, depth=1, heads=2, attn_rfa=True, attn_rfa_gate=True, attn_num_mem_kv=2)
+
+
+def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
+    """RFA-Gate: S_t = g_t S_(t-1) + (1 - g_t) φ(k_t) v_tᵀ. With g -> 1 everywhere (no decay; the
+    common (1 - g) cancels) it is the ungated form; a real gate favours recent keys."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 13, 8, dtype=torch.float64) for _ in range(3))
+    kv, kw = KV(k, v, torch.arange(13)[None], None), dict(q_pos=torch.arange(13)[None], causal=True, memory=None,
+                                                           need_weights=False)
+    plain = KERNELS["rfa"](spec(RfaOptions(features=6, chunk=4))).double()
+    gated = KERNELS["rfa"](spec(RfaOptions(features=6, gate=True, chunk=4))).double()
+    gated.feature.load_state_dict(plain.feature.state_dict())
+    with torch.no_grad():
+        gated.gate_weight.zero_()
+        gated.gate_bias.fill_(40.0)                      # g = σ(40): log g ≈ -4e-18
+    assert_close(gated(q, kv, **kw).out, plain(q, kv, **kw).out)
+    with torch.no_grad():
+        gated.gate_bias.fill_(-1.0)
+    # explicit recurrence S_t = g S_(t-1) + (1 - g) φ(k_t) v_tᵀ, z alike, out = φ(q)ᵀS / φ(q)ᵀz
+    fq, fk = gated.feature.features(q, 2), gated.feature.features(k, 2)
+    g = torch.sigmoid(torch.tensor(-1.0, dtype=torch.float64))
+    S, z, outs = 0, 0, []
+    for t in range(13):
+        S = g * S + (1 - g) * fk[:, :, t, :, None] * v[:, :, t, None, :]
+        z = g * z + (1 - g) * fk[:, :, t]
+        outs.append((fq[:, :, t, None, :] @ S)[:, :, 0] / (fq[:, :, t] * z).sum(-1, keepdim=True))
+    assert_close(gated(q, kv, **kw).out, torch.stack(outs, 2))
