@@ -55,9 +55,9 @@ import torch
 from .common import Competitor, OthersMeter, QUIET, environment, log, rotated, set_threads, spread, time_once, \
     wait_for_quiet, write_report
 from .features import peak_step_bytes
-from .linear_competitors import FEATURES, RFA_FEATURES, VERSUS, Contender, available, dense
+from .linear_competitors import FEATURES, RFA_FEATURES, VERSUS, available, dense, versus
 from .linear_report import markdown
-from .sparse_competitors import kernel_path
+from .sparse_competitors import Contender, kernel_path
 from .sparse_patterns import steps
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -154,7 +154,7 @@ def block_point(cs: list[Contender], n: int, args: argparse.Namespace) -> dict[s
 
 # --- the sections ---------------------------------------------------------------------------------
 
-def scaling(causal: bool, n: int, args: argparse.Namespace) -> tuple[list[Contender], dict[str, str]]:
+def scaling_point(causal: bool, n: int, args: argparse.Namespace) -> dict[str, Any]:
     """Dense of one direction and every landed mixer that runs in it; notes for those not landed."""
     ready, missing = available()
     ours = [m for m in ready if m.causal() == causal]
@@ -164,7 +164,7 @@ def scaling(causal: bool, n: int, args: argparse.Namespace) -> tuple[list[Conten
             cs.append(m.contender(n))
         except (ValueError, TypeError) as err:      # a mixer whose keywords changed while landing
             missing[m.name] = failure(err)
-    return cs, missing
+    return {**block_point(cs, n, args), "skipped": missing}
 
 
 def decode_models(max_len: int) -> dict[str, torch.nn.Module]:
@@ -259,20 +259,13 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], Callable[[
         for ctx in args.contexts:
             def measure(ctx: int = ctx) -> dict[str, Any]:
                 if not models:
-                    models.update(decode_models(max(args.contexts) + 1))
+                    models.update(decode_models(max(*args.contexts, *CONTEXTS) + 1))   # same weights every run
                 return decode_point(models, ctx, args)
             out.append((f"decode@{ctx}", {"section": "decode", "group": "decode", "n": ctx}, measure))
     return out
 
 
-def scaling_point(causal: bool, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    cs, missing = scaling(causal, n, args)
-    return {**block_point(cs, n, args), "skipped": missing}
-
-
 def versus_point(which: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    from .linear_competitors import versus
-
     cs, why = versus(which, n)
     if not cs:
         log(f"  skipped: {why}")

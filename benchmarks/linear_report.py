@@ -202,7 +202,8 @@ def decode_section(record: dict[str, Any]) -> list[str]:
     lines = ["Measured (ms per token: single-token cached steps, each followed by `state.rollback(1)`; the peak "
              "is that of one timed call, transient bytes over the state):", "",
              markdown_table(["context", "model", "ms / token", "state MiB (nbytes)", "recurrent part KiB",
-                             "keys / values MiB", f"peak MiB of {points[0].get('step_tokens', 8)} steps", "quiet rounds", "errors"], rows), ""]
+                             "keys / values MiB", f"peak MiB of {points[0].get('step_tokens', 8)} steps",
+                             "quiet rounds", "errors"], rows), ""]
     first, last = points[0], points[-1]
     target = []
     for name in first["contenders"]:

@@ -273,6 +273,14 @@ def resume_checkpoint(run_dir: str | os.PathLike) -> Path:
     return path
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory named step-NNNNNN (a verified manifest agrees with it)."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint directory (step-NNNNNN)")
+    return int(match.group(1))
+
+
 def _read_weights(path: Path, model: nn.Module) -> dict[str, Tensor]:
     """The stored tensors under every state-dict name; ValueError listing every mismatch with `model`."""
     try:

@@ -17,6 +17,8 @@ from .batches import Batches
 from .corpus import Corpus, load_corpus
 from .objectives import (LanguageModeling, MaskedLanguageModeling, Objective, PrefixLanguageModeling, Seq2Seq,
                          Seq2SeqTask)
+from .record import check_corpus, save_record
+from .run import load_run_config
 from .settings import RunSettings
 from .tokenizer import build_tokenizer, load_tokenizer
 
@@ -35,12 +37,18 @@ class Data:
     bytes_per_token: float
 
 
-def load_data(settings: RunSettings, run_dir: Path, fresh: bool) -> Data:
-    """Read and split the corpus; a fresh run trains (BPE) and saves its tokenizer, a resumed one
-    loads it and checks the corpus hash it recorded."""
+def load_data(settings: RunSettings, run_dir: Path, fresh: bool, corpus_change: bool = False) -> Data:
+    """Read and split the corpus. A fresh run trains (BPE) and saves its tokenizer and records its
+    corpus (RUN/corpus.json); a resumed one loads the tokenizer and checks the corpus against the
+    record (`record.CorpusChanged` names the files that differ), or with `corpus_change` records
+    the corpus as it is now."""
     if settings.train.objective == "seq2seq":
         return Data(None, None, None, None, 1.0)
     corpus = load_corpus(settings.data.paths or None)
+    if fresh or corpus_change:
+        save_record(run_dir, corpus)
+    else:
+        check_corpus(run_dir, load_run_config(run_dir), corpus)
     train_part, val_part = corpus.split(settings.data.val_fraction)
     cap = settings.data.max_bytes           # applied after the split, so validation keeps its share
     if cap is not None:
@@ -54,6 +62,22 @@ def load_data(settings: RunSettings, run_dir: Path, fresh: bool) -> Data:
         tokenizer = load_tokenizer(run_dir)
     train, val = train_part.tokens(tokenizer), val_part.tokens(tokenizer)
     return Data(train, val, tokenizer, corpus.sha256, len(val_part.data) / max(1, val.numel()))
+
+
+def check_windows(settings: RunSettings, data: Data) -> None:
+    """Refuse, before step 1, a train or validation split shorter than one window
+    (model.max_seq_len + 1 tokens), naming the settings that would make it fit."""
+    need = settings.model.max_seq_len + 1
+    for name, tokens in (("training", data.train), ("validation", data.val)):
+        if tokens is None or tokens.numel() >= need:
+            continue
+        d = settings.data
+        cap = f", raise --data.max_bytes ({d.max_bytes})" if d.max_bytes is not None else ""
+        share = f"lower --data.val_fraction ({d.val_fraction})" if name == "training" else \
+            f"raise --data.val_fraction ({d.val_fraction})"
+        raise SystemExit(f"polyformer: the {name} split has {tokens.numel():,} tokens, fewer than one window of "
+                         f"--model.max_seq_len + 1 = {need:,}: lower --model.max_seq_len ({need - 1}), {share}{cap} or "
+                         "give more text in --data.paths (nothing was trained)")
 
 
 def first_bytes(corpus: Corpus, n: int) -> Corpus:

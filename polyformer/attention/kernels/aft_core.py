@@ -64,13 +64,14 @@ def scan(k: Tensor, v: Tensor, start: Sums, chunk: int) -> Sums:
     part_num, part_den = (e * v).sum(3), e.sum(3)
     num, den, seen = (t[:, :, 0] for t in start)
     carried = []
-    for c in range(C):                   # the sums before each chunk
+    # the sums before each chunk; unbind, not indexing: one backward for all chunks, not a full-size one each
+    for c_top, c_num, c_den in zip(top.unbind(2), part_num.unbind(2), part_den.unbind(2)):
         carried.append((num, den, seen))
-        both = torch.maximum(seen, top[:, :, c])
+        both = torch.maximum(seen, c_top)
         safe = _finite(both)
-        mine, theirs = (seen - safe).exp(), (top[:, :, c] - safe).exp()
-        num = num * mine + part_num[:, :, c] * theirs
-        den = den * mine + part_den[:, :, c] * theirs
+        mine, theirs = (seen - safe).exp(), (c_top - safe).exp()
+        num = num * mine + c_num * theirs
+        den = den * mine + c_den * theirs
         seen = both
     s_num, s_den, s_max = (torch.stack(t, 2) for t in zip(*carried))     # (b, g, C, d)
     ref = torch.maximum(run, s_max[:, :, :, None])                        # per key: the running maximum

@@ -44,6 +44,9 @@ class RfaOptions:
     chunk: int = 64
 
 
+RUN_CHUNKS = 8          # chunks per run of positions when nothing needs gradients (see KernelAttention.forward)
+
+
 def _positive(value: object, keyword: str) -> list[str]:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         return [f"{keyword} must be a positive integer, got {value!r}"]
@@ -78,43 +81,60 @@ class KernelAttention(nn.Module):
         """(log-weight added per key, log-decay per position) of a gate; (None, None) without one."""
         return None, None
 
-    def forward(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,
-                need_weights: bool) -> AttnOut:
-        dtype = q.dtype
-        q, k, v = upcast(q), upcast(kv.k), upcast(kv.v)
+    def terms(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """(ψ(q), ψ(k), a, v, log-decay) of queries (b, h, i, d) and keys (b, hk, j, d), every key head
+        repeated for its query heads; keep (b, j) bool marks the keys that are not padding."""
         fq, fk, a = self.feature(q, k)
         added, decay = self.decay(k)
         if added is not None:
             a = a + added
-        if kv.mask is not None:          # padded keys weigh nothing, and a gate does not close on them
-            keep = F.pad(kv.mask, (kv.free, 0), value=True)[:, None, :]
-            a = a.masked_fill(~keep, float("-inf"))
-            decay = None if decay is None else decay.masked_fill(~keep, 0.0)
+        if keep is not None:              # padded keys weigh nothing, and a gate does not close on them
+            a = a.masked_fill(~keep[:, None, :], float("-inf"))
+            decay = None if decay is None else decay.masked_fill(~keep[:, None, :], 0.0)
         h = q.shape[1]
-        fk, v = match_heads(fk, h), match_heads(v, h)
         a = match_heads(a[..., None], h)[..., 0]
         decay = None if decay is None else match_heads(decay[..., None], h)[..., 0]
-        eps = self.feature.eps
-        if need_weights:
+        return fq, match_heads(fk, h), a, match_heads(v, h), decay
+
+    def forward(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,
+                need_weights: bool) -> AttnOut:
+        dtype, eps = q.dtype, self.feature.eps
+        q, k, v = upcast(q), upcast(kv.k), upcast(kv.v)
+        keep = None if kv.mask is None else F.pad(kv.mask, (kv.free, 0), value=True)
+        if need_weights or not causal:
+            fq, fk, a, v, decay = self.terms(q, k, v, keep)
+            if not need_weights:
+                return AttnOut(core.bidirectional(fq, fk, a, v, eps).to(dtype))
             if memory is not None:
                 raise ValueError("return_attn cannot show a recurrent decode state's attention (it keeps no keys)")
             out, weights = core.quadratic(fq, fk, a, v, decay, eps, causal=causal)
             return AttnOut(out.to(dtype), weights=weights.to(dtype))
-        if not causal:
-            return AttnOut(core.bidirectional(fq, fk, a, v, eps).to(dtype))
-        pre = fk.shape[2] - fq.shape[2]     # keys every query sees (memory key / values, XL memories)
-        if pre and decay is not None:
-            raise ValueError("attn_rfa_gate decays the keys of the sequence; keys before it (XL memories) have no "
-                             "place in that order")
-        prefix = core.summarise(fk[:, :, :pre], a[..., :pre], v[:, :, :pre]) if pre else None
-        start = memory.summary if memory is not None else None
+        n = q.shape[2]
+        pre = k.shape[2] - n               # keys every query sees (memory key / values, XL memories)
+        prefix = None
+        if pre:
+            if hasattr(self, "gate_weight"):
+                raise ValueError("attn_rfa_gate decays the keys of the sequence; keys before it (XL memories) have "
+                                 "no place in that order")
+            _, fk, a, vp, _ = self.terms(q[:, :, :0], k[:, :, :pre], v[:, :, :pre], None if keep is None else keep[:, :pre])
+            prefix = core.summarise(fk, a, vp)
+        state = memory.summary if memory is not None else None
         trail = memory.wanted if memory is not None else 0
-        out, final, trailing = core.chunked(fq, fk[:, :, pre:], a[..., pre:], v[:, :, pre:],
-                                            decay=None if decay is None else decay[..., pre:], start=start,
-                                            chunk=self.chunk, prefix=prefix, trail=trail, eps=eps)
+        # without autograd, runs of positions one after another carry the summary (exact: two calls that
+        # carry a state equal one), so features and chunks of one run only are held at a time
+        run = n if torch.is_grad_enabled() else self.chunk * RUN_CHUNKS
+        outs = []
+        for lo in range(0, n, run):
+            hi = min(lo + run, n)
+            fq, fk, a, vr, decay = self.terms(q[:, :, lo:hi], k[:, :, pre + lo:pre + hi], v[:, :, pre + lo:pre + hi],
+                                              None if keep is None else keep[:, pre + lo:pre + hi])
+            out, state, trailing = core.chunked(fq, fk, a, vr, decay=decay, start=state, chunk=self.chunk,
+                                                prefix=prefix, trail=trail if hi == n else 0, eps=eps)
+            outs.append(out)
         if memory is not None:
-            memory.write(final, trailing)
-        return AttnOut(out.to(dtype))
+            memory.write(state, trailing)
+        return AttnOut(torch.cat(outs, 2).to(dtype))
 
 
 class Performer(KernelAttention):

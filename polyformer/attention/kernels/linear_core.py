@@ -127,23 +127,27 @@ def _chunks(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None, st
         a = a - D
     run = a.cummax(-1).values                                                  # (b, h, C, L): max within the chunk
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    # the carried summary before each chunk, and its maximum, in the frame of the chunk's start
+    # each chunk's keys summarised relative to the chunk's own maximum, all chunks at once
+    own = run[..., -1]                                                         # (b, h, C)
+    kw = k * (a - _finite(own)[..., None]).exp()[..., None]
+    U_kv, U_k = kw.transpose(-1, -2) @ v, kw.sum(-2)                           # (b, h, C, m, dv), (b, h, C, m)
+    shift = D[..., -1] if decay is not None else None
+    # the carried summary before each chunk, and its maximum, in the frame of the chunk's start; the
+    # loop touches (b, h, m, dv) tensors only (unbind: one backward for all chunks, not one per chunk)
     starts_kv, starts_k, starts_max = [], [], []
     kv, ks, top = state["kv"], state["k"], state["max"]
-    for c in range(C):
+    steps = zip(U_kv.unbind(2), U_k.unbind(2), own.unbind(2),
+                shift.unbind(2) if shift is not None else [None] * C)
+    for u_kv, u_k, u_max, d in steps:
         starts_kv.append(kv)
         starts_k.append(ks)
         starts_max.append(top)
-        M = torch.maximum(top, run[:, :, c, -1])                               # frame of the chunk's last key
+        M = torch.maximum(top, u_max)                                          # frame of the chunk's last key
         safe = _finite(M)
-        w = (a[:, :, c] - safe[..., None]).exp()                               # (b, h, L)
-        old = (top - safe).exp().nan_to_num(0.0)
-        kw = k[:, :, c] * w[..., None]
-        kv = kv * old[..., None, None] + kw.transpose(-1, -2) @ v[:, :, c]
-        ks = ks * old[..., None] + kw.sum(-2)
-        top = M
-        if decay is not None:      # into the frame of the next chunk's start: every key decays
-            top = top + D[:, :, c, -1]
+        old, new = (top - safe).exp().nan_to_num(0.0), (u_max - safe).exp().nan_to_num(0.0)
+        kv = kv * old[..., None, None] + u_kv * new[..., None, None]
+        ks = ks * old[..., None] + u_k * new[..., None]
+        top = M if d is None else M + d      # into the frame of the next chunk's start: every key decays
     S_kv, S_k, S_max = torch.stack(starts_kv, 2), torch.stack(starts_k, 2), torch.stack(starts_max, 2)
     M = torch.maximum(run, S_max[..., None])                                   # (b, h, C, L) per query
     safe = _finite(M)

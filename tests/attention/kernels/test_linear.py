@@ -168,3 +168,23 @@ def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
         z = g * z + (1 - g) * fk[:, :, t]
         outs.append((fq[:, :, t, None, :] @ S)[:, :, 0] / (fq[:, :, t] * z).sum(-1, keepdim=True))
     assert_close(gated(q, kv, **kw).out, torch.stack(outs, 2))
+
+
+@pytest.mark.parametrize("name,options", [("linear", LinearOptions("elu", chunk=2)),
+                                          ("performer", PerformerOptions(features=12, chunk=3)),
+                                          ("rfa", RfaOptions(features=6, gate=True, chunk=2))])
+def test_inference_in_runs_of_positions_equals_the_training_form(name, options):
+    """Without autograd the kernel runs a few chunks at a time, carrying the summary: the same outputs."""
+    torch.manual_seed(3)
+    kernel = KERNELS[name](spec(options, heads=4, kv_heads=2)).double()
+    n, free = 53, 0 if name == "rfa" else 1
+    q = torch.randn(2, 4, n, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, n + free, 8, dtype=torch.float64), torch.randn(2, 2, n + free, 8, dtype=torch.float64)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :7] = False
+    kv = KV(k, v, torch.arange(n)[None], mask, free=free)
+    kw = dict(q_pos=torch.arange(n)[None], causal=True, memory=None, need_weights=False)
+    with torch.enable_grad():
+        trained = kernel(q, kv, **kw).out
+    with torch.no_grad():
+        assert_close(kernel(q, kv, **kw).out, trained)

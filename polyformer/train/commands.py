@@ -1,0 +1,119 @@
+"""`polyformer eval` and `polyformer generate` on a run directory. Neither needs the training
+corpus on disk, except `eval` without --data.paths, which scores the run's own validation split."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .checkpoint import checkpoint_step, load_checkpoint, resume_checkpoint
+from .corpus import load_corpus
+from .record import CorpusChanged
+from .run import load_run_config, model_from_run
+from .sample import prepare_for_sampling, sample, speculative_sample
+from .scoring import evaluate, scores, text_loss
+from .settings import RunSettings, from_dict, set_value
+from .setup import Data, build_objective, load_data
+from .tokenizer import FILENAME as TOKENIZER_FILE, load_tokenizer
+
+# the settings `eval` takes, as `train` spells them
+EVAL_SETTINGS = {"data.paths": "text files / folders to score, whole (default: the run's validation split)",
+                 "data.max_bytes": "with --data.paths: read at most this much of them (default: all)",
+                 "train.batch_size": "windows per forward pass (default: the run's)",
+                 "train.eval_batches": "batches scored (same as --batches; default: the run's, or all of --data.paths)"}
+
+
+def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
+    """A trained run's settings and its model with the newest good checkpoint, in eval mode."""
+    settings, model, _ = load_checkpointed(run_dir)
+    return settings, model
+
+
+def load_checkpointed(run_dir: str) -> tuple[RunSettings, nn.Module, Path]:
+    """`load_model`, and the checkpoint directory the weights came from."""
+    path = Path(run_dir)
+    config = load_run_config(path)
+    settings = from_dict(config["train"]["settings"])
+    origin = config["train"].get("converted_from")
+    if origin and not (path / TOKENIZER_FILE).is_file():
+        raise SystemExit(f"polyformer: {str(path)!r} was converted from the Hugging Face directory "
+                         f"{origin.get('directory')!r}, which has no tokenizer.json, so it cannot read a prompt or a "
+                         "corpus: put the model's tokenizer.json beside its config.json and convert again")
+    model = model_from_run(path)
+    checkpoint = resume_checkpoint(path)
+    load_checkpoint(checkpoint, model, rng=False)
+    return settings, model.eval(), Path(checkpoint)
+
+
+def load_run(run_dir: str) -> tuple[RunSettings, nn.Module, Data]:
+    """A trained run: its settings, the model with the newest good checkpoint, and its data (read
+    from its corpus, which must be the one it recorded)."""
+    settings, model = load_model(run_dir)
+    return settings, model, load_data(settings, Path(run_dir), fresh=False)
+
+
+def eval_settings(settings: RunSettings, overrides: list[tuple[str, str]], batches: int | None) -> RunSettings:
+    """The run's settings with eval's own (`EVAL_SETTINGS`); data.paths and data.max_bytes start
+    empty (the validation split; whole files). Any other setting is refused, saying why."""
+    asked = copy.deepcopy(settings)
+    asked.data.paths, asked.data.max_bytes = [], None
+    for dotted, value in overrides:
+        set_value(asked, dotted, value, source=f"--{dotted}")        # a typo gets the closest names
+        if dotted not in EVAL_SETTINGS:
+            raise SystemExit(f"polyformer eval: --{dotted} does not apply: a run is scored as it was trained, with "
+                             f"its own model and tokenizer; eval takes --{', --'.join(EVAL_SETTINGS)}")
+    given = dict(overrides)
+    if "data.max_bytes" in given and not asked.data.paths:
+        raise SystemExit("polyformer eval: --data.max_bytes applies to --data.paths (the validation split is the "
+                         "run's own)")
+    if batches is not None:
+        if "train.eval_batches" in given and asked.train.eval_batches != batches:
+            raise SystemExit("polyformer eval: --batches and --train.eval_batches are the same setting; give one")
+        asked.train.eval_batches = batches
+    return asked
+
+
+def evaluate_run(run_dir: str, batches: int | None = None, overrides: list[tuple[str, str]] | None = None) -> int:
+    """`polyformer eval`: the scores on stdout, the checkpoint they are of (path and step) and the
+    text scored on stderr. With --data.paths, every token of those files (`scoring.text_loss`)."""
+    settings, model, checkpoint = load_checkpointed(run_dir)
+    asked = eval_settings(settings, overrides or [], batches)
+    given = dict(overrides or [])
+    if asked.data.paths:
+        if settings.train.objective == "seq2seq":
+            raise SystemExit("polyformer eval: a seq2seq run learns a synthetic task and has no text to score; "
+                             "drop --data.paths")
+        tokenizer = load_tokenizer(run_dir)
+        corpus = load_corpus(asked.data.paths, asked.data.max_bytes)
+        tokens = corpus.tokens(tokenizer)
+        objective = build_objective(settings, Data(None, None, tokenizer, None, 1.0), 0, 1)
+        limit = asked.train.eval_batches if batches is not None or "train.eval_batches" in given else None
+        loss, count = text_loss(model, objective, tokens, settings.model.max_seq_len, asked.train.batch_size, limit)
+        result = scores(loss, len(corpus.data) / tokens.numel())
+        what = f"{count:,} tokens of {corpus.summary()} from {corpus.source}"
+    else:
+        result, what = evaluate(model, build_objective(settings, _validation(settings, run_dir), 0, 1), settings,
+                                _validation(settings, run_dir), asked.train.eval_batches), "the run's validation split"
+    print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {what}", file=sys.stderr)
+    print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    return 0
+
+
+def _validation(settings: RunSettings, run_dir: str) -> Data:
+    try:
+        return load_data(settings, Path(run_dir), fresh=False)
+    except FileNotFoundError as err:
+        if err.filename is None:
+            raise
+        raise SystemExit(f"polyformer eval: the run's validation split is read from its corpus, and "
+                         f"{err.filename!r} is not there: restore it, or score text of your choice with "
+                         "--data.paths FILE_OR_DIR") from None
+    except CorpusChanged as err:
+        raise SystemExit(f"polyformer eval: the run's validation split is no longer the text it was measured on: "
+                         f"{err}. Restore the files, or score text of your choice with --data.paths "
+                         "FILE_OR_DIR") from None
