@@ -148,7 +148,7 @@ def global_mask(stack: "AttentionLayers", mask: object, x: Tensor) -> None:
 
     if not takes_global_mask(stack.cfg.attention.pattern):
         raise ValueError("global_mask marks global tokens of an attention pattern; the stack has none that takes "
-                         "them (set attn_window, attn_sparse, ... ; attn_dilated takes none)")
+                         "them (set attn_window, attn_sparse, ... ; attn_dilated and attn_bigbird_blocks take none)")
     if stack.causal:
         raise ValueError("global_mask makes tokens see every key, which a Decoder cannot apply; use "
                          "attn_global_tokens (the first positions, kept causal)")

@@ -89,6 +89,12 @@ def _local_2d(arg: Any) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in arg.items()}
 
 
+def _bigbird_blocks(arg: Any) -> dict[str, Any]:
+    if not isinstance(arg, dict) or "block_size" not in arg or not set(arg) <= {"block_size", "random_blocks"}:
+        raise TypeError(f"expected dict(block_size=b, random_blocks=r), got {arg!r}")
+    return dict(arg)
+
+
 def _layout(arg: Any) -> tuple[str, ...] | None:
     return None if arg is None else tuple(arg)
 
@@ -165,6 +171,8 @@ KEYWORDS: dict[str, Route] = {
     "attn_block_local": Route("attention.pattern.block_local", _block_local),
     "attn_local_2d": Route("attention.pattern.local_2d", _local_2d),
     "attn_dilated": Route("attention.pattern.dilated.segments", _pairs),
+    # BigBird's block layout as Hugging Face computes it (attention/patterns/bigbird_blocks.py)
+    "attn_bigbird_blocks": Route("attention.pattern.bigbird_blocks", _bigbird_blocks),
     # kernel attention (attention/kernels/linear.py): a recurrent decode state
     "attn_linear": Route("attention.kernel.linear.feature"),
     "attn_linear_chunk": Route("attention.kernel.linear.chunk"),

@@ -56,6 +56,8 @@ PATTERN_OPTIONS: dict[str, dict] = {
     "attn_block_local": dict(attn_block_local=(4, 2)),
     "attn_local_2d": dict(attn_local_2d=dict(image=(4, 8), query=(2, 2), memory=(1, 1))),
     "attn_dilated": dict(attn_dilated=((4, 1), (8, 2))),
+    # BigBird's blocks as Hugging Face lays them out (patterns/bigbird_blocks.py): 12 tokens > (5 + 2) x 1
+    "attn_bigbird_blocks": dict(attn_bigbird_blocks=dict(block_size=1, random_blocks=1), rotary_pos_emb=True),
 }
 # one entry per registered attention kernel other than dense, and per mixer (registry.KERNEL /
 # registry.MIXER; tests/contracts keeps them in step), each with a keyword it combines with
@@ -79,7 +81,7 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "gau": dict(gau=True, gau_qk_dim=8),
     "gau_chunk": dict(gau=True, gau_chunk=4, gau_qk_dim=8, rotary_pos_emb=True),
 }
-DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise"}
+DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
 KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom"}
 KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate"}

@@ -79,6 +79,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("bigbird", "window of 3 blocks of 32, the first block global, 3 random blocks per query block",
             "arXiv:2007.14062", layers=dict(rotary_pos_emb=True, attn_window=96, attn_global_tokens=32,
                                             attn_random_blocks=3, attn_block_size=32), tasks=SPARSE, min_len=96),
+    Variant("bigbird_hf", "BigBird's blocks of 64 as Hugging Face lays them out: first / last block global, 3 blocks "
+            "of window, block 0 weighted 1 + 3 times (its eval-mode random blocks)", "arXiv:2007.14062",
+            layers=dict(rotary_pos_emb=True, attn_bigbird_blocks=dict(block_size=64, random_blocks=3)),
+            tasks=SPARSE, encoder_only=True),
     Variant("strided", "Sparse Transformer strided: the last 64 keys and every 64th, merged in every head",
             "arXiv:1904.10509", layers=dict(rotary_pos_emb=True, attn_sparse="strided", attn_sparse_stride=64,
                                             attn_sparse_mode="union"), tasks=SPARSE),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .bert import BERT
+from .bigbird import BIGBIRD
 from .family import Family, Unsupported
 from .fnet import FNET
 from .gpt2 import GPT2
@@ -10,7 +11,8 @@ from .llama import LLAMA
 from .longformer import LONGFORMER
 from .nystromformer import NYSTROMFORMER
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET,
+                                                          BIGBIRD)}
 SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ...config import Choice
+from .bigbird_blocks import BigBirdBlocks
 from .blocks import BlockLocal, Blockwise, Local2d
 from .globals import Global, GlobalOptions, Sinks
 from .layout import Geometry, Pairs, Part
@@ -21,7 +22,7 @@ from .window import Window
 # in the order pieces take their share: earlier pieces' keys are left out of later ones
 PIECES = {"global": Global, "sinks": Sinks, "window": Window, "random": RandomBlocks,
           "sparse_transformer": SparseTransformer, "blockwise": Blockwise, "block_local": BlockLocal,
-          "local_2d": Local2d, "dilated": Dilated}
+          "local_2d": Local2d, "dilated": Dilated, "bigbird_blocks": BigBirdBlocks}
 LOCAL = {"window", "global", "sinks", "random"}         # combine freely (Longformer, BigBird, StreamingLLM)
 
 
@@ -35,8 +36,8 @@ def keyword(name: str) -> str:
 
 
 def takes_global_mask(choices: tuple[Choice, ...]) -> bool:
-    """Whether a forward's global_mask applies: any pattern but LongNet's mixture."""
-    return bool(choices) and all(c.name != "dilated" for c in choices)
+    """Whether a forward's global_mask applies: any pattern but the mixtures (LongNet, BigBird's blocks)."""
+    return bool(choices) and all(c.name not in ("dilated", "bigbird_blocks") for c in choices)
 
 
 def problems(choices: tuple[Choice, ...], heads: int, causal: bool) -> list[str]:
@@ -58,6 +59,9 @@ def problems(choices: tuple[Choice, ...], heads: int, causal: bool) -> list[str]
                    "(global tokens combine with any)")
     if "dilated" in names and "global" in names:
         out.append("attn_dilated mixes its configurations by their softmax denominators; it cannot combine "
+                   "with attn_global_tokens")
+    if "bigbird_blocks" in names and "global" in names:
+        out.append("attn_bigbird_blocks has its own global blocks (the first and the last); it cannot combine "
                    "with attn_global_tokens")
     if "sinks" in names and "window" not in names:
         out.append("attn_sink_tokens keeps the first tokens beside a window: it needs attn_window")

@@ -100,6 +100,16 @@ def dilated_counts(segments: tuple[tuple[int, int], ...]) -> Rule:
     return rule
 
 
+def bigbird_blocks(b: int, r: int) -> Rule:
+    """Hugging Face's BigBird blocks (ceil(n / b) of them, the last partial): the first / last query
+    blocks see all, the others blocks 0, q - 1 .. q + 1 and the last; all of it up to (5 + 2 r) b."""
+    def rule(i, j, h, n, causal):
+        last, qb, kb = math.ceil(n / b) - 1, i // b, j // b
+        on = (qb == 0) | (qb == last) | (kb == 0) | (kb == last) | ((qb - kb).abs() <= 1)
+        return (on | (n <= (5 + 2 * r) * b)) & (h >= 0)
+    return rule
+
+
 # keyword sets, their definition, and whether they run on a Decoder / an Encoder
 CASES: dict[str, tuple[dict[str, Any], Rule, tuple[bool, ...]]] = {
     "window": (dict(attn_window=6), window(6), (True, False)),
@@ -119,6 +129,7 @@ CASES: dict[str, tuple[dict[str, Any], Rule, tuple[bool, ...]]] = {
     "block_local": (dict(attn_block_local=(8, 5)), block_local(8, 5), (True, False)),
     "local_2d": (dict(attn_local_2d=dict(image=(6, 8), query=(2, 4), memory=(1, 2))),
                  local_2d((6, 8), (2, 4), (1, 2)), (True, False)),
+    "bigbird_blocks": (dict(attn_bigbird_blocks=dict(block_size=5, random_blocks=1)), bigbird_blocks(5, 1), (False,)),
 }
 
 
