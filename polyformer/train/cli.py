@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from ..keywords import closest
-from .settings import PRESETS, settings_help
+from .settings import EVAL_SETTINGS, PRESETS, settings_help
 
 
 def overrides(extra: list[str], flags: list[str] | None = None) -> list[tuple[str, str]]:
@@ -38,9 +38,22 @@ def flags_of(command: argparse.ArgumentParser) -> list[str]:
     return [f for action in command._actions for f in action.option_strings if f.startswith("--")]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line (the usage is behind --help), an unknown command
+    with the closest one."""
+
+    def error(self, message: str) -> None:
+        choice = message.split("invalid choice: ")[-1].split(" ")[0].strip("'") if "invalid choice" in message else ""
+        hint = closest(choice, COMMANDS) if choice and self.prog == "polyformer" else ""
+        raise SystemExit(f"{self.prog}: {message}{hint} (`{self.prog} --help` lists them)")
+
+
+COMMANDS = ("train", "generate", "eval", "convert", "demo")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="polyformer", description="Train, evaluate and sample transformers.")
-    sub = top.add_subparsers(dest="command", required=True)
+    top = Parser(prog="polyformer", description="Train, evaluate and sample transformers.")
+    sub = top.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = sub.add_parser("train", help="train a model into a run directory",
                            description="Train a model. Any setting can be overridden as --section.key VALUE "
                                        "(sections: model, data, train; layer keywords as --model.layers.NAME).",
@@ -48,9 +61,14 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="run directory (created; with --resume, continued)")
     train.add_argument("--preset", choices=sorted(PRESETS), help="a starting point for the settings")
     train.add_argument("--config", help="a TOML or YAML file of settings, applied after the preset")
-    train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its last checkpoint (with the original command or "
+                            "alone); past the steps the run was planned with, the learning rate holds its final value")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps (same as --train.steps)")
     train.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (same as --train.fsdp)")
+    train.add_argument("--allow-corpus-change", action="store_true",
+                       help="with --resume: continue on the corpus as it is now, though files changed since the run "
+                            "recorded it (without it, a changed corpus is refused, naming the files)")
     gen = sub.add_parser("generate", help="sample from a trained run")
     gen.add_argument("--run", required=True, help="run directory")
     gen.add_argument("--max-new-tokens", type=int, default=200)
@@ -66,9 +84,17 @@ def parser() -> argparse.ArgumentParser:
                           "same text at --temperature 0), faster when the draft often agrees")
     gen.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per target call (with --draft; "
                                                              "default 4)")
-    ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split")
+    ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split, or on "
+                                     "any text (--data.paths)",
+                        description="Score a run's newest checkpoint: on its validation split (read from its "
+                                    "corpus),\nor with --data.paths on every token of the files given, in windows of "
+                                    "model.max_seq_len\ntokens, with the run's tokenizer.",
+                        epilog="settings (--section.key VALUE, as train takes them):\n" + "\n".join(
+                            f"  --{name:<24} {meaning}" for name, meaning in EVAL_SETTINGS.items()),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--run", required=True, help="run directory")
-    ev.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
+    ev.add_argument("--batches", type=int, default=None, help="batches scored (default: the run's eval_batches on "
+                                                              "the validation split, every window of --data.paths)")
     conv = sub.add_parser("convert", help="a Hugging Face model directory into a run directory, or back",
                           description="Convert a Hugging Face GPT-2 / Llama model directory (config.json, "
                                       "model.safetensors, tokenizer.json) into a run directory that generate and "
@@ -103,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     try:
         return _main(argv)
+    except SystemExit as stop:          # a refusal's message: one line, and the usage errors' status
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)
+        return 2
     except EXPECTED as err:
         if debug:
             raise
@@ -132,7 +163,8 @@ def _main(argv: list[str]) -> int:
             pairs.append(("train.steps", str(args.steps)))
         if args.fsdp:
             pairs.append(("train.fsdp", "true"))
-        return train(args.out, preset=args.preset, config_file=args.config, overrides=pairs, resume=args.resume)
+        return train(args.out, preset=args.preset, config_file=args.config, overrides=pairs, resume=args.resume,
+                     corpus_change=args.allow_corpus_change)
     if args.command == "convert":
         from .convert import from_hf_dir, to_hf_dir
 
@@ -141,14 +173,17 @@ def _main(argv: list[str]) -> int:
         if extra or args.ignore:
             raise SystemExit(f"polyformer convert --to-hf: unknown flag(s) {extra + ['--ignore'] * bool(args.ignore)}")
         return to_hf_dir(args.to_hf, args.out)
+    if args.command == "eval":
+        from .commands import evaluate_run
+
+        return evaluate_run(args.run, args.batches, overrides(extra, own))
+    if extra and extra[0].startswith("--") and "." in extra[0].split("=")[0]:
+        raise SystemExit(f"polyformer generate: {extra[0]} does not apply: generate samples from the run's model with "
+                         "its tokenizer, and reads no corpus (the text to continue is --prompt)")
     if extra:
         hint = closest(extra[0].split("=")[0], own) if extra[0].startswith("-") else ""
         raise SystemExit(f"polyformer {args.command}: unknown flag(s) {extra}{hint}")
-    if args.command == "generate":
-        from .trainer import generate
+    from .commands import generate
 
-        return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
-                        args.seed, int8=args.int8, draft=args.draft, gamma=args.gamma)
-    from .trainer import evaluate_run
-
-    return evaluate_run(args.run, args.batches)
+    return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
+                    args.seed, int8=args.int8, draft=args.draft, gamma=args.gamma)

@@ -17,16 +17,9 @@ from .record import CorpusChanged
 from .run import load_run_config, model_from_run
 from .sample import prepare_for_sampling, sample, speculative_sample
 from .scoring import evaluate, scores, text_loss
-from .settings import RunSettings, from_dict, set_value
+from .settings import EVAL_SETTINGS, RunSettings, from_dict, set_value, validate
 from .setup import Data, build_objective, load_data
 from .tokenizer import FILENAME as TOKENIZER_FILE, load_tokenizer
-
-# the settings `eval` takes, as `train` spells them
-EVAL_SETTINGS = {"data.paths": "text files / folders to score, whole (default: the run's validation split)",
-                 "data.max_bytes": "with --data.paths: read at most this much of them (default: all)",
-                 "train.batch_size": "windows per forward pass (default: the run's)",
-                 "train.eval_batches": "batches scored (same as --batches; default: the run's, or all of --data.paths)"}
-
 
 def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
     """A trained run's settings and its model with the newest good checkpoint, in eval mode."""
@@ -75,6 +68,7 @@ def eval_settings(settings: RunSettings, overrides: list[tuple[str, str]], batch
         if "train.eval_batches" in given and asked.train.eval_batches != batches:
             raise SystemExit("polyformer eval: --batches and --train.eval_batches are the same setting; give one")
         asked.train.eval_batches = batches
+    validate(asked)
     return asked
 
 
@@ -95,10 +89,11 @@ def evaluate_run(run_dir: str, batches: int | None = None, overrides: list[tuple
         limit = asked.train.eval_batches if batches is not None or "train.eval_batches" in given else None
         loss, count = text_loss(model, objective, tokens, settings.model.max_seq_len, asked.train.batch_size, limit)
         result = scores(loss, len(corpus.data) / tokens.numel())
-        what = f"{count:,} tokens of {corpus.summary()} from {corpus.source}"
+        what = f"{count:,} tokens of {len(corpus.files)} file(s), {len(corpus.data):,} bytes: {corpus.source}"
     else:
-        result, what = evaluate(model, build_objective(settings, _validation(settings, run_dir), 0, 1), settings,
-                                _validation(settings, run_dir), asked.train.eval_batches), "the run's validation split"
+        data = _validation(settings, run_dir)
+        objective = build_objective(settings, data, 0, 1)
+        result, what = evaluate(model, objective, asked, data), "the run's validation split"
     print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {what}", file=sys.stderr)
     print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return 0
@@ -117,3 +112,62 @@ def _validation(settings: RunSettings, run_dir: str) -> Data:
         raise SystemExit(f"polyformer eval: the run's validation split is no longer the text it was measured on: "
                          f"{err}. Restore the files, or score text of your choice with --data.paths "
                          "FILE_OR_DIR") from None
+
+
+def _tokenizer_json(run_dir: str) -> Any:
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise SystemExit(f"polyformer generate: {run_dir!r} has no {TOKENIZER_FILE}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _check_generates(settings: RunSettings, run_dir: str) -> None:
+    if settings.train.objective not in ("lm", "prefix_lm"):
+        raise SystemExit(f"polyformer generate: {run_dir!r} is a {settings.train.objective!r} run, which does not "
+                         "generate text")
+
+
+def _draft_for(run_dir: str, draft: str) -> nn.Module:
+    """The draft run's model, once it is known to fit the target run (`generate --draft`)."""
+    settings, model = load_model(draft)
+    _check_generates(settings, draft)
+    if _tokenizer_json(draft) != _tokenizer_json(run_dir):
+        raise SystemExit(f"polyformer generate: the draft run {draft!r} has another tokenizer than {run_dir!r}; "
+                         "speculative decoding needs both models on one vocabulary")
+    return model
+
+
+def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
+             p: float | None, seed: int, int8: bool = False, draft: str | None = None,
+             gamma: int | None = None) -> int:
+    """`polyformer generate`: the run's text after `prompt`, from its model and tokenizer alone. With
+    `draft` (a run on the same tokenizer), by speculative decoding with `gamma` draft tokens per
+    target call (default 4), its acceptance on stderr; the whole text must then fit the target's
+    window, where plain decoding would slide it."""
+    settings, model = load_model(run_dir)
+    _check_generates(settings, run_dir)
+    _tokenizer_json(run_dir)
+    tokenizer = load_tokenizer(run_dir)
+    if max_new_tokens < 1:
+        raise SystemExit("polyformer generate: --max-new-tokens must be >= 1")
+    if draft is None and gamma is not None:
+        raise SystemExit("polyformer generate: --gamma sets speculative decoding's draft length; it needs --draft")
+    prompt = prompt if prompt is not None else "\n"
+    try:                                          # bad filter values, too long for learned positions
+        if draft is None:
+            prepare_for_sampling(model, int8)
+            print(sample(model, tokenizer, prompt, max_new_tokens, temperature, k, p, seed))
+            return 0
+        gamma = 4 if gamma is None else gamma          # speculative_generate checks it
+        draft_model = _draft_for(run_dir, draft)
+        for net in (model, draft_model):
+            prepare_for_sampling(net, int8)
+        text, result = speculative_sample(model, draft_model, tokenizer, prompt, max_new_tokens, gamma,
+                                          temperature, k, p, seed)
+    except ValueError as err:
+        raise SystemExit(f"polyformer generate: {err}") from None
+    print(text)
+    print(f"speculative decoding, gamma {gamma}: {result.accepted} of {result.proposed} draft tokens accepted "
+          f"({result.acceptance_rate:.2f}), {result.tokens_per_target_call:.2f} tokens per target call",
+          file=sys.stderr)
+    return 0

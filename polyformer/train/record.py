@@ -11,6 +11,7 @@ from typing import Any
 
 from .corpus import Corpus
 from .files import write_atomic
+from .run import load_run_config
 
 RECORD = "corpus.json"
 SHOWN = 5                    # file names listed per kind of change
@@ -32,14 +33,14 @@ def save_record(run_dir: Path, corpus: Corpus) -> Path:
     return path
 
 
-def recorded(run_dir: Path, config: dict[str, Any]) -> tuple[str | None, list[list[Any]] | None]:
+def recorded(run_dir: Path) -> tuple[str | None, list[list[Any]] | None]:
     """(sha256, files) of the run's corpus: from corpus.json, else (runs written before it) the
     sha256 in config.json with no file list; (None, None) for a run without a corpus."""
     path = run_dir / RECORD
     if path.is_file():
         record = json.loads(path.read_text(encoding="utf-8"))
         return record["sha256"], record["files"]
-    return config.get("train", {}).get("corpus_sha256"), None
+    return load_run_config(run_dir).get("train", {}).get("corpus_sha256"), None
 
 
 def _listed(kind: str, names: list[str]) -> str:
@@ -47,10 +48,10 @@ def _listed(kind: str, names: list[str]) -> str:
     return f"{kind} {', '.join(names[:SHOWN])}{more}"
 
 
-def check_corpus(run_dir: Path, config: dict[str, Any], corpus: Corpus) -> None:
+def check_corpus(run_dir: Path, corpus: Corpus) -> None:
     """Raise CorpusChanged naming the changed, missing and new files when `corpus` is not the
     corpus the run recorded."""
-    sha256, files = recorded(run_dir, config)
+    sha256, files = recorded(run_dir)
     if sha256 is None or sha256 == corpus.sha256:
         return
     head = f"the corpus changed since the run recorded it (sha256 {sha256[:16]}, now {corpus.sha256[:16]})"

@@ -20,6 +20,9 @@ CHANGEABLE = ("train.steps", "train.progress", "train.tensorboard")   # what a r
 def settings_for(run_dir: Path, preset: str | None, config_file: str | None, overrides: list[tuple[str, str]],
                  resume: bool) -> tuple[RunSettings, dict[str, Any] | None]:
     """The settings a run trains with, and (when resuming) the run's config.json."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SystemExit(f"polyformer: --out {str(run_dir)!r} is a file; a run is a directory: choose another --out "
+                         "(nothing was changed)")
     if not resume:
         if (run_dir / CONFIG).exists():
             raise SystemExit(f"polyformer: {str(run_dir)!r} already holds a run; pass --resume to continue it "

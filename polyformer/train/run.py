@@ -53,6 +53,9 @@ def load_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     from .. import __version__
 
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"{str(run_dir)!r} is a file, not a run directory (one that `polyformer train "
+                                 "--out` made)")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     path = run_dir / CONFIG

@@ -93,7 +93,8 @@ MEANING: dict[tuple[str, str], str] = {
     ("train", "objective"): "lm, mlm, prefix_lm or seq2seq",
     ("train", "task"): "seq2seq's synthetic task: copy, reverse or sort",
     ("train", "task_length"): "seq2seq's sequence length",
-    ("train", "steps"): "optimizer steps of the run (also --steps)",
+    ("train", "steps"): "optimizer steps (also --steps); a --resume may raise it: past the steps planned at the "
+                        "start, the learning rate holds its final value (lr x min_lr_ratio)",
     ("train", "batch_size"): "sequences per optimizer step (all processes together)",
     ("train", "grad_accum"): "micro-batches the batch is split into",
     ("train", "lr"): "peak learning rate (AdamW)",
@@ -113,6 +114,12 @@ MEANING: dict[tuple[str, str], str] = {
     ("train", "progress"): "show a progress bar",
     ("train", "tensorboard"): "TensorBoard events: true (warn if tensorboard is missing), false, or none (when installed)",
 }
+
+# the settings `eval` takes, as `train` spells them (any other is refused, saying why)
+EVAL_SETTINGS = {"data.paths": "text files / folders to score, whole (default: the run's validation split)",
+                 "data.max_bytes": "with --data.paths: read at most this much of them (default: all)",
+                 "train.batch_size": "windows per forward pass (default: the run's)",
+                 "train.eval_batches": "batches scored (as --batches; default: the run's, or all of --data.paths)"}
 
 
 def settings_help() -> str:

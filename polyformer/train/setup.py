@@ -18,7 +18,6 @@ from .corpus import Corpus, load_corpus
 from .objectives import (LanguageModeling, MaskedLanguageModeling, Objective, PrefixLanguageModeling, Seq2Seq,
                          Seq2SeqTask)
 from .record import check_corpus, save_record
-from .run import load_run_config
 from .settings import RunSettings
 from .tokenizer import build_tokenizer, load_tokenizer
 
@@ -48,7 +47,7 @@ def load_data(settings: RunSettings, run_dir: Path, fresh: bool, corpus_change: 
     if fresh or corpus_change:
         save_record(run_dir, corpus)
     else:
-        check_corpus(run_dir, load_run_config(run_dir), corpus)
+        check_corpus(run_dir, corpus)
     train_part, val_part = corpus.split(settings.data.val_fraction)
     cap = settings.data.max_bytes           # applied after the split, so validation keeps its share
     if cap is not None:

@@ -113,18 +113,21 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     assert info == {"step": 2, "data_state": {"position": 34}, "extra": {"note": "x"}, "path": path}
 
 
-def test_every_file_of_a_checkpoint_has_the_usual_permissions(tmp_path):
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_every_file_of_a_checkpoint_has_the_usual_permissions(tmp_path, umask, mode):
     """safetensors creates its files 0600; a checkpoint's files are ordinary files (0666 less umask)."""
     import os
     import stat
 
-    from polyformer.train.files import usual_mode
-
     model = tiny()
     opt, sched = optimizer_and_scheduler(model)
-    path = save_checkpoint(tmp_path, 1, model, opt, sched)
+    previous = os.umask(umask)
+    try:
+        path = save_checkpoint(tmp_path, 1, model, opt, sched)
+    finally:
+        os.umask(previous)
     modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in path.iterdir()}
-    assert modes and set(modes.values()) == {usual_mode()}, modes
+    assert set(modes) == {"model.safetensors", "state.pt", "manifest.json"} and set(modes.values()) == {mode}, modes
 
 
 def test_restore_rng_alone():
