@@ -102,10 +102,21 @@ class KernelAttention(nn.Module):
         dtype, eps = q.dtype, self.feature.eps
         q, k, v = upcast(q), upcast(kv.k), upcast(kv.v)
         keep = None if kv.mask is None else F.pad(kv.mask, (kv.free, 0), value=True)
-        if need_weights or not causal:
+        # without autograd, runs of positions one after another (exact: summaries combine, and a causal
+        # summary carries over), so features and chunks of one run only are held at a time
+        run = q.shape[2] if torch.is_grad_enabled() else self.chunk * RUN_CHUNKS
+        if not causal and not need_weights:
+            summary = None
+            for lo in range(0, k.shape[2], run):
+                _, fk, a, vr, _ = self.terms(q[:, :, :0], k[:, :, lo:lo + run], v[:, :, lo:lo + run],
+                                             None if keep is None else keep[:, lo:lo + run])
+                part = core.summarise(fk, a, vr)
+                summary = part if summary is None else core.combine(summary, part)
+            outs = [core.read(self.terms(q[:, :, lo:lo + run], k[:, :, :0], v[:, :, :0], None)[0], summary, eps)
+                    for lo in range(0, q.shape[2], run)]
+            return AttnOut(torch.cat(outs, 2).to(dtype))
+        if need_weights:
             fq, fk, a, v, decay = self.terms(q, k, v, keep)
-            if not need_weights:
-                return AttnOut(core.bidirectional(fq, fk, a, v, eps).to(dtype))
             if memory is not None:
                 raise ValueError("return_attn cannot show a recurrent decode state's attention (it keeps no keys)")
             out, weights = core.quadratic(fq, fk, a, v, decay, eps, causal=causal)
@@ -121,9 +132,6 @@ class KernelAttention(nn.Module):
             prefix = core.summarise(fk, a, vp)
         state = memory.summary if memory is not None else None
         trail = memory.wanted if memory is not None else 0
-        # without autograd, runs of positions one after another carry the summary (exact: two calls that
-        # carry a state equal one), so features and chunks of one run only are held at a time
-        run = n if torch.is_grad_enabled() else self.chunk * RUN_CHUNKS
         outs = []
         for lo in range(0, n, run):
             hi = min(lo + run, n)

@@ -60,8 +60,21 @@ def quadratic(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None =
 
 def bidirectional(q: Tensor, k: Tensor, a: Tensor, v: Tensor, eps: float = 0.0) -> Tensor:
     """Every query sees every key: one summary, O(n m dv)."""
-    s = summarise(k, a, v)
-    return _divide(q @ s["kv"], (q @ s["k"][..., None])[..., 0], eps)
+    return read(q, summarise(k, a, v), eps)
+
+
+def combine(first: Summary, second: Summary) -> Summary:
+    """One summary of the keys of two (each relative to its own maximum)."""
+    top = torch.maximum(first["max"], second["max"])
+    safe = _finite(top)
+    a, b = (first["max"] - safe).exp().nan_to_num(0.0), (second["max"] - safe).exp().nan_to_num(0.0)
+    return {"kv": first["kv"] * a[..., None, None] + second["kv"] * b[..., None, None],
+            "k": first["k"] * a[..., None] + second["k"] * b[..., None], "max": top}
+
+
+def read(q: Tensor, summary: Summary, eps: float = 0.0) -> Tensor:
+    """Every query q (b, h, i, m) over the keys of one summary: (b, h, i, dv)."""
+    return _divide(q @ summary["kv"], (q @ summary["k"][..., None])[..., 0], eps)
 
 
 def merge(num: Tensor, den: Tensor, top: Tensor, extra: Summary, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:

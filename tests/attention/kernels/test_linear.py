@@ -173,17 +173,21 @@ def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
 @pytest.mark.parametrize("name,options", [("linear", LinearOptions("elu", chunk=2)),
                                           ("performer", PerformerOptions(features=12, chunk=3)),
                                           ("rfa", RfaOptions(features=6, gate=True, chunk=2))])
-def test_inference_in_runs_of_positions_equals_the_training_form(name, options):
-    """Without autograd the kernel runs a few chunks at a time, carrying the summary: the same outputs."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_inference_in_runs_of_positions_equals_the_training_form(name, options, causal):
+    """Without autograd the kernel runs a few chunks at a time, carrying (causal) or combining
+    (bidirectional) summaries: the same outputs."""
+    if not causal and options.__class__ is RfaOptions:
+        options = RfaOptions(features=6, chunk=2)                # the gate is causal only
     torch.manual_seed(3)
-    kernel = KERNELS[name](spec(options, heads=4, kv_heads=2)).double()
+    kernel = KERNELS[name](spec(options, causal=causal, heads=4, kv_heads=2)).double()
     n, free = 53, 0 if name == "rfa" else 1
     q = torch.randn(2, 4, n, 8, dtype=torch.float64)
     k, v = torch.randn(2, 2, n + free, 8, dtype=torch.float64), torch.randn(2, 2, n + free, 8, dtype=torch.float64)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, :7] = False
     kv = KV(k, v, torch.arange(n)[None], mask, free=free)
-    kw = dict(q_pos=torch.arange(n)[None], causal=True, memory=None, need_weights=False)
+    kw = dict(q_pos=torch.arange(n)[None], causal=causal, memory=None, need_weights=False)
     with torch.enable_grad():
         trained = kernel(q, kv, **kw).out
     with torch.no_grad():
