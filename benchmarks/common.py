@@ -255,6 +255,27 @@ def write_report(json_path: str | Path, record: dict[str, Any], markdown: str) -
     return json_path, md_path
 
 
+def save_point(json_path: str | Path, record: dict[str, Any], key: str, env: dict[str, Any],
+               markdown: Callable[[dict[str, Any]], str], **extra: Any) -> None:
+    """After measuring point `key` of a resumable record: stamp the environment (this date) and the
+    point's own date and commit, and rewrite the JSON and its markdown twin."""
+    record["environment"] = {**env, "date": environment([])["date"], **extra}
+    record["points"][key]["measured"] = {k: record["environment"][k] for k in ("date", "polyformer_commit")}
+    write_report(json_path, record, markdown(record))
+    log(f"{key}: saved to {json_path}")
+
+
+def finish_report(json_path: str | Path, record: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> int:
+    """The end of a resumable run: rewrite and print the report (exit status 0)."""
+    if "environment" not in record:
+        log("nothing measured")
+        return 0
+    text = markdown(record)
+    write_report(json_path, record, text)
+    print(text)
+    return 0
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the file-only Agg backend (imported late: plotting is optional)."""
     import matplotlib

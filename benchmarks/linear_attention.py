@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from .common import Competitor, OthersMeter, QUIET, environment, log, rotated, set_threads, spread, time_once, \
-    wait_for_quiet, write_report
+    finish_report, save_point, wait_for_quiet
 from .features import peak_step_bytes
 from .linear_competitors import FEATURES, RFA_FEATURES, VERSUS, available, dense, versus
 from .linear_report import markdown
@@ -329,17 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         log(f"{key}: measuring ({args.repeats} rounds)")
         record["points"][key] = {**fields, **measure(), "repeats": args.repeats}
-        record["environment"] = {**env, "date": environment([])["date"], "mem_limit_gib": args.mem_limit}
-        record["points"][key]["measured"] = {k: record["environment"][k] for k in ("date", "polyformer_commit")}
-        write_report(json_path, record, markdown(record))
-        log(f"{key}: saved to {json_path}")
-    if "environment" not in record:
-        log("nothing measured")
-        return 0
-    text = markdown(record)
-    write_report(json_path, record, text)
-    print(text)
-    return 0
+        save_point(json_path, record, key, env, markdown, mem_limit_gib=args.mem_limit)
+    return finish_report(json_path, record, markdown)
 
 
 if __name__ == "__main__":

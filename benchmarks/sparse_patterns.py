@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from .common import Competitor, OthersMeter, QUIET, environment, log, markdown_table, rotated, set_threads, \
-    spread, time_once, wait_for_quiet, write_report
+    finish_report, save_point, spread, time_once, wait_for_quiet
 from .features import peak_step_bytes
 from .sparse_competitors import (BIGBIRD_NOTE, BLOCK, LOCAL_NOTE, WINDOW, Contender, dense_vs_window, hf,
                                  kernel_path, local_attention)
@@ -361,17 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{key}: measuring ({repeats} rounds)")
             record["points"][key] = measure(comparison, n, repeats, args.warmup, args.max_wait,
                                             not args.no_rotary_variant)
-            record["environment"] = {**env, "date": environment([])["date"]}
-            record["points"][key]["measured"] = {k: record["environment"][k] for k in ("date", "polyformer_commit")}
-            write_report(json_path, record, markdown(record))
-            log(f"{key}: saved to {json_path}")
-    if "environment" not in record:
-        log("nothing measured")
-        return 0
-    text = markdown(record)
-    write_report(json_path, record, text)
-    print(text)
-    return 0
+            save_point(json_path, record, key, env, markdown)
+    return finish_report(json_path, record, markdown)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,15 @@ def links(c: dict[str, Any], first_position: int = 0) -> list[Link]:
                          tuple(f"{h}.attention.self.{p}.{kind}" for p in ("query", "key", "value")), sizes=(dim,) * 3),
                     Link(f"{a}.branch.output.proj.{kind}", (f"{h}.attention.output.dense.{kind}",)),
                     Link(f"{a}.post_norm.{kind}", (f"{h}.attention.output.LayerNorm.{kind}",)),
-                    Link(f"{f}.branch.proj_in.{kind}", (f"{h}.intermediate.dense.{kind}",)),
-                    Link(f"{f}.branch.proj_out.{kind}", (f"{h}.output.dense.{kind}",)),
-                    Link(f"{f}.post_norm.{kind}", (f"{h}.output.LayerNorm.{kind}",))]
+                    *feedforward_links(f, h, kind)]
     return out
+
+
+def feedforward_links(f: str, h: str, kind: str) -> list[Link]:
+    """A BERT-like layer's feedforward (intermediate, output dense, its LayerNorm): our block f, theirs h."""
+    return [Link(f"{f}.branch.proj_in.{kind}", (f"{h}.intermediate.dense.{kind}",)),
+            Link(f"{f}.branch.proj_out.{kind}", (f"{h}.output.dense.{kind}",)),
+            Link(f"{f}.post_norm.{kind}", (f"{h}.output.LayerNorm.{kind}",))]
 
 
 def config_of(model: TransformerWrapper) -> dict[str, Any]:

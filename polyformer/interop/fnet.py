@@ -15,6 +15,7 @@ from typing import Any
 
 from ..stack import Encoder
 from ..wrappers import TransformerWrapper
+from .bert import feedforward_links
 from .family import Family, Link, activation, activation_name, ff_mult, inner_dim, layer_names
 
 DEFAULTS = {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072,
@@ -44,9 +45,7 @@ def links(c: dict[str, Any]) -> list[Link]:
     for a, f, h in layer_names(c["num_hidden_layers"], "encoder.layer"):
         for kind in ("weight", "bias"):
             out += [Link(f"{a}.post_norm.{kind}", (f"{h}.fourier.output.LayerNorm.{kind}",)),
-                    Link(f"{f}.branch.proj_in.{kind}", (f"{h}.intermediate.dense.{kind}",)),
-                    Link(f"{f}.branch.proj_out.{kind}", (f"{h}.output.dense.{kind}",)),
-                    Link(f"{f}.post_norm.{kind}", (f"{h}.output.LayerNorm.{kind}",))]
+                    *feedforward_links(f, h, kind)]
     return out
 
 
