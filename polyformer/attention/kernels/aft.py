@@ -48,7 +48,9 @@ class Aft(nn.Module):
     caps = Caps(exact=True, bias=False, causal=True, bidirectional=True, padding=True, decode="keys",
                 form="direct")
     options: type = AftOptions
-    chunk = 32          # causal forms: quadratic inside chunks of this many positions
+    chunk = 32          # causal full form: queries in chunks of this many positions
+    scan_chunk = 8      # causal prefix sums: quadratic (x features) inside chunks this small (fastest, least
+                        # memory at 4k: 8 -> 0.48 s fwd+bwd, 296 MiB against 1.18 s, 866 MiB with 32)
 
     def __init__(self, spec: KernelSpec):
         super().__init__()
@@ -105,7 +107,7 @@ class Aft(nn.Module):
             num, den = core.pairwise(k, v, free, i, causal, self.biases(q_pos, kv, i), self.chunk)
         else:
             bias = self.biases(q_pos, kv, i) if self.mode != "simple" else None
-            num, den = core.windowed(k, v, free, i, self.window, causal, bias, self.chunk)
+            num, den = core.windowed(k, v, free, i, self.window, causal, bias, self.scan_chunk)
         out = match_heads(core.divide(num, den), q.shape[1])
         return AttnOut((torch.sigmoid(q) * out).to(dtype))
 
