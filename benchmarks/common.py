@@ -155,20 +155,21 @@ def wait_for_quiet(max_wait: float = 120.0, sample: float = 2.0) -> float:
         log(f"  machine busy ({busy:.2f} CPUs used by other processes); waiting ...")
 
 
-def quiet_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1, max_rounds: int | None = None
-                 ) -> list[dict[str, Any]]:
+def quiet_rounds(competitors: list[Competitor], repeats: int, warmup: int = 1, max_rounds: int | None = None,
+                 max_wait: float = 120.0) -> list[dict[str, Any]]:
     """`alternating_rounds`, on a shared machine: each timed call also records how many CPUs
     other processes used meanwhile; a round where that passed QUIET anywhere is disturbed, and
-    rounds go on (waiting for quiet after a disturbed one) until `repeats` undisturbed rounds or
-    `max_rounds` (default 3 * repeats). Each competitor's `seconds` / `cpu_seconds` then hold the
-    undisturbed rounds only (all rounds if none was). Returns the log of every round."""
+    rounds go on (waiting up to max_wait s for quiet after a disturbed one; 0: never) until `repeats`
+    undisturbed rounds or `max_rounds` (default 3 * repeats). Each competitor's `seconds` /
+    `cpu_seconds` then hold the undisturbed rounds only (all rounds if none was). Returns the log of
+    every round."""
     max_rounds = max_rounds or 3 * repeats
     _warm_up(competitors, warmup)
     rounds: list[dict[str, Any]] = []
     r = 0
     while sum(x["quiet"] for x in rounds) < repeats and r < max_rounds:
-        if rounds and not rounds[-1]["quiet"]:
-            wait_for_quiet()
+        if rounds and not rounds[-1]["quiet"] and max_wait > 0:
+            wait_for_quiet(max_wait)
         entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
         for c in rotated(competitors, r):
             meter = OthersMeter().start()

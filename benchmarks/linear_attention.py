@@ -52,8 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from .common import Competitor, OthersMeter, QUIET, environment, log, rotated, set_threads, spread, time_once, \
-    finish_report, save_point, wait_for_quiet
+from .common import Competitor, environment, finish_report, log, quiet_rounds, save_point, set_threads, spread
 from .features import peak_step_bytes
 from .linear_competitors import FEATURES, RFA_FEATURES, VERSUS, available, dense, versus
 from .linear_report import markdown
@@ -78,33 +77,6 @@ DECODERS: dict[str, dict[str, Any]] = {
 
 # --- timing ---------------------------------------------------------------------------------------
 
-def rounds(comps: list[Competitor], repeats: int, max_rounds: int, max_wait: float, warmup: int
-           ) -> list[dict[str, Any]]:
-    """Alternating rounds (after `warmup` calls each) until `repeats` undisturbed ones or `max_rounds`;
-    competitors keep the undisturbed rounds' times (all rounds' if none was undisturbed)."""
-    for c in comps:
-        for _ in range(warmup):
-            c.run()
-    log_: list[dict[str, Any]] = []
-    while sum(x["quiet"] for x in log_) < repeats and len(log_) < max_rounds:
-        if log_ and not log_[-1]["quiet"] and max_wait > 0:
-            wait_for_quiet(max_wait)
-        entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
-        for c in rotated(comps, len(log_)):
-            meter = OthersMeter().start()
-            entry["seconds"][c.name], entry["cpu_seconds"][c.name] = time_once(c.run)
-            entry["others_cpus"][c.name] = meter.cpus()
-        entry["quiet"] = max(entry["others_cpus"].values()) < QUIET
-        log_.append(entry)
-        log(f"  round {len(log_)} ({'quiet' if entry['quiet'] else 'disturbed'}): " + ", ".join(
-            f"{name} {s:.3f} s" for name, s in entry["seconds"].items()))
-    use = [x for x in log_ if x["quiet"]] or log_
-    for c in comps:
-        c.seconds = [x["seconds"][c.name] for x in use]
-        c.cpu_seconds = [x["cpu_seconds"][c.name] for x in use]
-    return log_
-
-
 def failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
 
@@ -114,7 +86,7 @@ def timed_point(calls: dict[str, dict[str, Callable[[], Any]]], info: dict[str, 
     """Time every (contender, part) call of `calls` in alternating rounds; medians into `info`, in
     seconds per unit (a call does `units` of work: 1 block call, or that many decoded tokens)."""
     comps = [Competitor(f"{name} | {part}", fn, units) for name, parts in calls.items() for part, fn in parts.items()]
-    log_ = rounds(comps, args.repeats, args.max_rounds, args.max_wait, args.warmup) if comps else []
+    log_ = quiet_rounds(comps, args.repeats, args.warmup, args.max_rounds, args.max_wait) if comps else []
     for comp in comps:
         name, part = comp.name.rsplit(" | ", 1)
         info[name][f"{part}_seconds"] = spread(comp.per_unit)

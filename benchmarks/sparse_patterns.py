@@ -49,8 +49,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .common import Competitor, OthersMeter, QUIET, environment, log, markdown_table, rotated, set_threads, \
-    finish_report, save_point, spread, time_once, wait_for_quiet
+from .common import (Competitor, environment, finish_report, log, markdown_table, quiet_rounds, save_point,
+                     set_threads, spread)
 from .features import peak_step_bytes
 from .sparse_competitors import (BIGBIRD_NOTE, BLOCK, LOCAL_NOTE, WINDOW, Contender, dense_vs_window, hf,
                                  kernel_path, local_attention)
@@ -124,35 +124,6 @@ def steps(c: Contender, n: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     return train, infer
 
 
-def rounds(comps: list[Competitor], repeats: int, warmup: int, max_wait: float) -> list[dict[str, Any]]:
-    """`common.quiet_rounds` with the wait for quiet bounded by max_wait (0: never wait): alternating
-    rounds until `repeats` undisturbed ones or 3 * repeats in all; competitors keep the undisturbed
-    rounds' times (all rounds' if none was undisturbed)."""
-    for c in comps:
-        for _ in range(warmup):
-            c.run()
-    log_: list[dict[str, Any]] = []
-    r = 0
-    while sum(x["quiet"] for x in log_) < repeats and r < 3 * repeats:
-        if log_ and not log_[-1]["quiet"] and max_wait > 0:
-            wait_for_quiet(max_wait)
-        entry: dict[str, Any] = {"seconds": {}, "cpu_seconds": {}, "others_cpus": {}}
-        for c in rotated(comps, r):
-            meter = OthersMeter().start()
-            entry["seconds"][c.name], entry["cpu_seconds"][c.name] = time_once(c.run)
-            entry["others_cpus"][c.name] = meter.cpus()
-        entry["quiet"] = max(entry["others_cpus"].values()) < QUIET
-        log_.append(entry)
-        r += 1
-        log(f"  round {r} ({'quiet' if entry['quiet'] else 'disturbed'}): " + ", ".join(
-            f"{name} {s:.3f} s" for name, s in entry["seconds"].items()))
-    use = [x for x in log_ if x["quiet"]] or log_
-    for c in comps:
-        c.seconds = [x["seconds"][c.name] for x in use]
-        c.cpu_seconds = [x["cpu_seconds"][c.name] for x in use]
-    return log_
-
-
 def contenders(comparison: str, n: int, rotary_variant: bool) -> list[Contender]:
     if comparison in ("dense-layer", "dense-model"):
         return dense_vs_window(layer_only=comparison == "dense-layer")
@@ -177,7 +148,7 @@ def measure(comparison: str, n: int, repeats: int, warmup: int, max_wait: float,
         log(f"  {c.name}: step peak {info[c.name]['train_peak_bytes'] / 2 ** 20:.0f} MiB, "
             f"inference peak {info[c.name]['infer_peak_bytes'] / 2 ** 20:.0f} MiB")
         comps += [Competitor(f"{c.name} | train", train, n), Competitor(f"{c.name} | infer", infer, n)]
-    log_ = rounds(comps, repeats, warmup, max_wait)
+    log_ = quiet_rounds(comps, repeats, warmup, max_wait=max_wait)
     for comp in comps:
         name, part = comp.name.rsplit(" | ", 1)
         info[name][f"{part}_seconds"] = spread(comp.seconds)

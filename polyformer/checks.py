@@ -27,6 +27,14 @@ def values_hidden() -> bool:
     return torch.compiler.is_compiling() or levels(VMAP) > 0
 
 
+def whole(value: object, name: str, low: int = 1, optional: bool = False) -> list[str]:
+    """[] when value is an integer >= low (or None, if optional), else the problem naming `name`: for
+    the `check` of a variant's options, which collects every problem before one is raised."""
+    if (optional and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        return []
+    return [f"{name} must be an integer >= {low}{' (or None)' if optional else ''}, got {value!r}"]
+
+
 def tensor(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -218,6 +218,15 @@ KEYWORDS: dict[str, Route] = {
 }
 
 
+def writing(path: str, below: bool = False) -> list[str]:
+    """The keywords whose row writes field `path` (or, with below, anything under it), in table order."""
+    def hit(p: str) -> bool:
+        return p == path or (below and p.startswith(path + "."))
+
+    return [k for k, route in KEYWORDS.items()
+            if any(hit(p) for p in ([route.path] if route.path is not None else list(route.when_true or {})))]
+
+
 def closest(name: str, valid: list[str] | tuple[str, ...] | set[str]) -> str:
     """' did you mean ...?' with the closest valid names, or '' when none is close."""
     matches = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)

@@ -19,11 +19,15 @@ def zero_masked(weights: Tensor, mask: Tensor | None) -> Tensor:
     return weights if mask is None else weights * mask
 
 
+def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """Softmax over the last dim with keep-mask `mask` (broadcastable bool); a row keeping nothing is 0."""
+    return zero_masked(fill_masked(scores, mask).softmax(dim=-1), mask)
+
+
 class Softmax(nn.Module):
     fusable = True      # scaled_dot_product_attention computes exactly this
     def forward(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        weights = fill_masked(upcast(scores), mask).softmax(dim=-1)
-        return zero_masked(weights, mask).to(scores.dtype)
+        return masked_softmax(upcast(scores), mask).to(scores.dtype)
 
 
 class TopK(nn.Module):

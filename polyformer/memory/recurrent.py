@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
 from torch import Tensor
 
 Summary = dict[str, Tensor]     # the kernel's named tensors, batch first
@@ -119,7 +118,3 @@ class Recurrent:
             for x in (s or {}).values():
                 seen[id(x)] = x.numel() * x.element_size()
         return sum(seen.values())
-
-
-def empty_like(summary: Summary) -> Summary:
-    return {name: torch.zeros_like(x) for name, x in summary.items()}

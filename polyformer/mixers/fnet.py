@@ -30,13 +30,6 @@ def fourier_mix(x: Tensor, mask: Tensor | None = None) -> Tensor:
     return torch.fft.fft2(h).real.to(x.dtype)
 
 
-def _keywords(field: str) -> list[str]:
-    from ..keywords import KEYWORDS
-
-    path = f"attention.{field}"
-    return [k for k, r in KEYWORDS.items() if r.path == path or path in (r.when_true or {})]
-
-
 class FNet(nn.Module):
     """The Fourier mixing sublayer: y = Re(FFT2(x)) over (sequence, features)."""
 
@@ -57,7 +50,9 @@ class FNet(nn.Module):
         unused = [f for f in _UNUSED if getattr(cfg.attention, f) != getattr(default, f)]
         if not unused:
             return []
-        names = sorted({k for f in unused for k in _keywords(f)})
+        from ..keywords import writing
+
+        names = sorted({k for f in unused for k in writing(f"attention.{f}")})
         return [f"attn_fnet has no queries, keys or values: {' / '.join(names)} would do nothing with it"]
 
     @property

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import checks
 from ..config import AttentionConfig, FeedForwardConfig, LayersConfig
 from ..interfaces import AttnOut, Caps, Context
 from ..position.rotary import Rotary
@@ -36,16 +37,6 @@ class GauOptions:
 # attention fields the unit has no use for (the stack's others are refused in attention/kernels/direct.py)
 _UNUSED = ("num_mem_kv", "kv_heads", "dropout", "collab_heads", "collab_compression", "on_attn", "gate_values",
            "qkv_bias", "out_bias")
-
-
-def _keywords(path: str) -> list[str]:
-    from ..keywords import KEYWORDS
-
-    return [k for k, r in KEYWORDS.items() if r.path == path or path in (r.when_true or {})]
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def width(dim: int, expansion: float) -> int:
@@ -93,11 +84,9 @@ class GatedAttentionUnit(nn.Module):
 
     @staticmethod
     def check(options: GauOptions, cfg: LayersConfig) -> list[str]:
-        found = []
-        if options.chunk is not None and not _positive_int(options.chunk):
-            found.append(f"gau_chunk must be a positive integer (or None: no chunks), got {options.chunk!r}")
-        if not _positive_int(options.qk_dim):
-            found.append(f"gau_qk_dim must be a positive integer, got {options.qk_dim!r}")
+        from ..keywords import writing
+
+        found = checks.whole(options.chunk, "gau_chunk", optional=True) + checks.whole(options.qk_dim, "gau_qk_dim")
         x = options.expansion
         if isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 or width(cfg.dim, x) < 1:
             found.append(f"gau_expansion must be a number > 0 with expansion · dim >= 1, got {x!r}")
@@ -109,17 +98,17 @@ class GatedAttentionUnit(nn.Module):
                          "cross_attend / only_cross")
         ff, a = cfg.ff, cfg.attention
         ff = sorted({k for f in vars(ff) if getattr(ff, f) != getattr(FeedForwardConfig(), f)
-                     for k in _keywords(f"ff.{f}")})
+                     for k in writing(f"ff.{f}")})
         if ff:
             found.append(f"gau replaces the feedforward blocks: {' / '.join(ff)} would do nothing")
         unused = sorted({k for f in _UNUSED if getattr(a, f) != getattr(AttentionConfig(), f)
-                         for k in _keywords(f"attention.{f}")})
+                         for k in writing(f"attention.{f}")})
         if unused:
             found.append(f"gau has one head of its own: {' / '.join(unused)} would do nothing with it")
         if a.position not in ("none", "rotary"):
             found.append("gau takes its positions from rotary_pos_emb only: position_infused_attn does nothing with it")
         r = a.rotary_dim or options.qk_dim
-        if a.position == "rotary" and _positive_int(options.qk_dim) and (r % 2 or r > options.qk_dim):
+        if a.position == "rotary" and not checks.whole(options.qk_dim, "") and (r % 2 or r > options.qk_dim):
             found.append(f"rotary_pos_emb=True with gau rotates up to gau_qk_dim={options.qk_dim} features, an even "
                          f"number of them (rotary_emb_dim), got {r}")
         return found

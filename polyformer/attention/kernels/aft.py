@@ -35,12 +35,6 @@ class AftOptions:
     max_len: int | None = None       # full / local: the biases cover positions 0 .. max_len - 1
 
 
-def _positive(value: object, keyword: str) -> list[str]:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        return [f"{keyword} must be a positive integer, got {value!r}"]
-    return []
-
-
 class Aft(nn.Module):
     """AFT-full / simple / local / conv on q (b, h, i, d), kv.k and kv.v (b, hk, j, d): the output
     (b, h, i, d). A decode state keeps every key (decode="keys"), for every mode."""
@@ -70,13 +64,13 @@ class Aft(nn.Module):
             return [f"attn_aft must be one of {', '.join(map(repr, MODES))}, got {mode!r}"]
         found = []
         if mode in ("local", "conv"):
-            found += (_positive(options.window, "attn_aft_window") if options.window is not None else
+            found += (checks.whole(options.window, "attn_aft_window") if options.window is not None else
                       [f"attn_aft={mode!r} needs attn_aft_window (its biases reach keys with |t - j| < window)"])
         elif options.window is not None:
             found.append(f"attn_aft_window sets the reach of attn_aft='local' / 'conv'; attn_aft={mode!r} has "
                          "no window")
         if mode in ("full", "local"):
-            found += (_positive(options.max_len, "attn_aft_max_len") if options.max_len is not None else
+            found += (checks.whole(options.max_len, "attn_aft_max_len") if options.max_len is not None else
                       [f"attn_aft={mode!r} needs attn_aft_max_len (its pairwise biases cover positions "
                        "0 .. attn_aft_max_len - 1)"])
         elif options.max_len is not None:

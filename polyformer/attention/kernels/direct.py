@@ -8,13 +8,9 @@ from ...config import LayersConfig
 def switch(prefix: str, name: str) -> str:
     """The public keyword that chooses variant `name` of a choice stage ("attention.kernel.",
     "mixer."): the keyword table's first row writing under `<prefix><name>`."""
-    from ...keywords import KEYWORDS
+    from ...keywords import writing
 
-    for keyword, route in KEYWORDS.items():
-        paths = [route.path] if route.path is not None else list(route.when_true or {})
-        if any(p == f"{prefix}{name}" or p.startswith(f"{prefix}{name}.") for p in paths):
-            return keyword
-    raise KeyError(f"no keyword chooses {prefix}{name}")
+    return writing(f"{prefix}{name}", below=True)[0]
 
 
 def problems(cfg: LayersConfig) -> list[str]:

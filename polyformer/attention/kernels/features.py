@@ -1,5 +1,6 @@
-"""Feature maps of kernel attention: ψ(q), ψ(k) bounded, and each key's log-weight a (see
-linear_core.py), so that exp(a_k) ψ(q)·ψ(k) is the kernel's φ(q)·φ(k) up to a factor per query.
+"""Feature maps of kernel attention: `query(x)` = ψ(q) and `key(x)` = (ψ(k), a), bounded features and
+each key's log-weight (see linear_core.py), so that exp(a_k) ψ(q)·ψ(k) is the kernel's φ(q)·φ(k) up to
+a factor per query; `advance()` runs once per forward (FAVOR+'s redraw schedule).
 
 - elu / relu: Katharopoulos et al. 2020, φ(x) = elu(x) + 1 (or relu(x)); a = 0.
 - FAVOR+ (Performer, Choromanski et al. 2021): φ(x) = exp(ωᵀx̃ - |x̃|²/2) / √m with x̃ = x d^(-1/4)
@@ -46,9 +47,14 @@ class Elementwise(nn.Module):
         self.kind = kind
         self.eps = 0.0 if kind == "elu" else 1e-6     # relu features can vanish
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        f = (lambda x: F.elu(x) + 1) if self.kind == "elu" else F.relu
-        return f(q), f(k), k.new_zeros(k.shape[:-1])
+    def advance(self) -> None:
+        pass
+
+    def query(self, x: Tensor) -> Tensor:
+        return F.elu(x) + 1 if self.kind == "elu" else F.relu(x)
+
+    def key(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.query(x), x.new_zeros(x.shape[:-1])
 
 
 class Favor(nn.Module):
@@ -68,25 +74,32 @@ class Favor(nn.Module):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.layer * 10_007 + index)
         return random_rows(self.m, self.dim, self.orthogonal, g).float()
 
-    def step(self) -> None:
-        """Count a training forward; draw new features when the schedule says so."""
+    def advance(self) -> None:
+        """Count a training forward; draw new features when the schedule says so (never in evaluation)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return
         self.calls += 1
         if self.redraw and int(self.calls) % self.redraw == 0:
             self.draws += 1
             self.omega = self.draw(int(self.draws)).to(self.omega.device)
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if self.training and torch.is_grad_enabled():
-            self.step()
-        omega = self.omega.to(q.dtype)
-        qs, ks = q * self.dim ** -0.25, k * self.dim ** -0.25
-        uq, uk = qs @ omega.T, ks @ omega.T
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(ωᵀx̃, x̃) with x̃ = x d^(-1/4)."""
+        xs = x * self.dim ** -0.25
+        return xs @ self.omega.to(x.dtype).T, xs
+
+    def query(self, x: Tensor) -> Tensor:
+        u, _ = self.project(x)
         if self.kind == "relu":
-            return F.relu(uq), F.relu(uk), k.new_zeros(k.shape[:-1])
-        top_q = uq.amax(-1, keepdim=True).detach()          # cancels between numerator and denominator
-        top_k = uk.amax(-1, keepdim=True).detach()          # any per-key shift is exact: it moves to a
-        a = top_k[..., 0] - ks.square().sum(-1) / 2
-        return (uq - top_q).exp(), (uk - top_k).exp(), a
+            return F.relu(u)
+        return (u - u.amax(-1, keepdim=True).detach()).exp()   # a shift per query cancels in the ratio
+
+    def key(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        u, xs = self.project(x)
+        if self.kind == "relu":
+            return F.relu(u), x.new_zeros(x.shape[:-1])
+        top = u.amax(-1, keepdim=True).detach()               # a shift per key is exact: it moves into a
+        return (u - top).exp(), top[..., 0] - xs.square().sum(-1) / 2
 
 
 class Fourier(nn.Module):
@@ -99,10 +112,14 @@ class Fourier(nn.Module):
         self.log_sigma = nn.Parameter(torch.zeros(kv_heads))
         self.eps = 0.0
 
-    def features(self, x: Tensor, heads: int) -> Tensor:
-        sigma = self.log_sigma.exp().repeat_interleave(heads // self.log_sigma.shape[0])[:, None, None]
+    def advance(self) -> None:
+        pass
+
+    def query(self, x: Tensor) -> Tensor:
+        """φ(x) of x (b, heads, n, d), each head with its kv head's σ."""
+        sigma = self.log_sigma.exp().repeat_interleave(x.shape[1] // self.log_sigma.shape[0])[:, None, None]
         u = F.normalize(x, dim=-1) @ self.omega.to(x.dtype).T / sigma.to(x.dtype)
         return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.omega.shape[0])
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.features(q, q.shape[1]), self.features(k, k.shape[1]), k.new_zeros(k.shape[:-1])
+    def key(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.query(x), x.new_zeros(x.shape[:-1])

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
 from ...precision import upcast
@@ -47,12 +48,6 @@ class RfaOptions:
 RUN_CHUNKS = 8          # chunks per run of positions when nothing needs gradients (see KernelAttention.forward)
 
 
-def _positive(value: object, keyword: str) -> list[str]:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        return [f"{keyword} must be a positive integer, got {value!r}"]
-    return []
-
-
 class KernelAttention(nn.Module):
     """out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over the keys query i sees (all of them, or
     j <= i in a causal stack), computed without the (i, j) matrix."""
@@ -63,7 +58,6 @@ class KernelAttention(nn.Module):
 
     def __init__(self, spec: KernelSpec):
         super().__init__()
-        self.heads = spec.heads
         self.chunk = spec.options.chunk if spec.options is not None else 64
         self.feature = self.feature_map(spec, spec.options)
 
@@ -75,70 +69,69 @@ class KernelAttention(nn.Module):
         found = []
         if options.feature not in ("elu", "relu"):
             found.append(f"attn_linear must be 'elu' or 'relu', got {options.feature!r}")
-        return found + _positive(options.chunk, "attn_linear_chunk")
+        return found + checks.whole(options.chunk, "attn_linear_chunk")
+
+    decays = False          # a gate decays the summary (RFA-Gate)
 
     def decay(self, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """(log-weight added per key, log-decay per position) of a gate; (None, None) without one."""
         return None, None
 
-    def terms(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        """(ψ(q), ψ(k), a, v, log-decay) of queries (b, h, i, d) and keys (b, hk, j, d), every key head
-        repeated for its query heads; keep (b, j) bool marks the keys that are not padding."""
-        fq, fk, a = self.feature(q, k)
+    def keys(self, k: Tensor, v: Tensor, keep: Tensor | None, heads: int
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(ψ(k), a, v, log-decay) of keys (b, hk, j, d), each key head repeated for its `heads` // hk
+        query heads; keep (b, j) bool marks the keys that are not padding."""
+        fk, a = self.feature.key(k)
         added, decay = self.decay(k)
         if added is not None:
             a = a + added
         if keep is not None:              # padded keys weigh nothing, and a gate does not close on them
             a = a.masked_fill(~keep[:, None, :], float("-inf"))
             decay = None if decay is None else decay.masked_fill(~keep[:, None, :], 0.0)
-        h = q.shape[1]
-        a = match_heads(a[..., None], h)[..., 0]
-        decay = None if decay is None else match_heads(decay[..., None], h)[..., 0]
-        return fq, match_heads(fk, h), a, match_heads(v, h), decay
+        a = match_heads(a[..., None], heads)[..., 0]
+        decay = None if decay is None else match_heads(decay[..., None], heads)[..., 0]
+        return match_heads(fk, heads), a, match_heads(v, heads), decay
 
     def forward(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,
                 need_weights: bool) -> AttnOut:
-        dtype, eps = q.dtype, self.feature.eps
+        self.feature.advance()
+        dtype, eps, h, n = q.dtype, self.feature.eps, q.shape[1], q.shape[2]
         q, k, v = upcast(q), upcast(kv.k), upcast(kv.v)
         keep = None if kv.mask is None else F.pad(kv.mask, (kv.free, 0), value=True)
-        # without autograd, runs of positions one after another (exact: summaries combine, and a causal
-        # summary carries over), so features and chunks of one run only are held at a time
-        run = q.shape[2] if torch.is_grad_enabled() else self.chunk * RUN_CHUNKS
-        if not causal and not need_weights:
-            summary = None
-            for lo in range(0, k.shape[2], run):
-                _, fk, a, vr, _ = self.terms(q[:, :, :0], k[:, :, lo:lo + run], v[:, :, lo:lo + run],
-                                             None if keep is None else keep[:, lo:lo + run])
-                part = core.summarise(fk, a, vr)
-                summary = part if summary is None else core.combine(summary, part)
-            outs = [core.read(self.terms(q[:, :, lo:lo + run], k[:, :, :0], v[:, :, :0], None)[0], summary, eps)
-                    for lo in range(0, q.shape[2], run)]
-            return AttnOut(torch.cat(outs, 2).to(dtype))
+
+        def keys(lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            return self.keys(k[:, :, lo:hi], v[:, :, lo:hi], None if keep is None else keep[:, lo:hi], h)
+
         if need_weights:
-            fq, fk, a, v, decay = self.terms(q, k, v, keep)
             if memory is not None:
                 raise ValueError("return_attn cannot show a recurrent decode state's attention (it keeps no keys)")
-            out, weights = core.quadratic(fq, fk, a, v, decay, eps, causal=causal)
+            fk, a, vk, decay = keys(0, k.shape[2])
+            out, weights = core.quadratic(self.feature.query(q), fk, a, vk, decay, eps, causal=causal)
             return AttnOut(out.to(dtype), weights=weights.to(dtype))
-        n = q.shape[2]
+        # without autograd, runs of positions one after another (exact: summaries combine, and a causal
+        # summary carries over), so features and chunks of one run only are held at a time
+        run = max(n, k.shape[2]) if torch.is_grad_enabled() else self.chunk * RUN_CHUNKS
+        if not causal:
+            summary = None
+            for lo in range(0, k.shape[2], run):
+                part = core.summarise(*keys(lo, lo + run)[:3])
+                summary = part if summary is None else core.combine(summary, part)
+            outs = [core.read(self.feature.query(q[:, :, lo:lo + run]), summary, eps) for lo in range(0, n, run)]
+            return AttnOut(torch.cat(outs, 2).to(dtype))
         pre = k.shape[2] - n               # keys every query sees (memory key / values, XL memories)
-        prefix = None
-        if pre:
-            if hasattr(self, "gate_weight"):
-                raise ValueError("attn_rfa_gate decays the keys of the sequence; keys before it (XL memories) have "
-                                 "no place in that order")
-            _, fk, a, vp, _ = self.terms(q[:, :, :0], k[:, :, :pre], v[:, :, :pre], None if keep is None else keep[:, :pre])
-            prefix = core.summarise(fk, a, vp)
+        if pre and self.decays:
+            raise ValueError("attn_rfa_gate decays the keys of the sequence; keys before it (XL memories) have "
+                             "no place in that order")
+        prefix = core.summarise(*keys(0, pre)[:3]) if pre else None
         state = memory.summary if memory is not None else None
         trail = memory.wanted if memory is not None else 0
         outs = []
         for lo in range(0, n, run):
             hi = min(lo + run, n)
-            fq, fk, a, vr, decay = self.terms(q[:, :, lo:hi], k[:, :, pre + lo:pre + hi], v[:, :, pre + lo:pre + hi],
-                                              None if keep is None else keep[:, pre + lo:pre + hi])
-            out, state, trailing = core.chunked(fq, fk, a, vr, decay=decay, start=state, chunk=self.chunk,
-                                                prefix=prefix, trail=trail if hi == n else 0, eps=eps)
+            fk, a, vk, decay = keys(pre + lo, pre + hi)
+            out, state, trailing = core.chunked(self.feature.query(q[:, :, lo:hi]), fk, a, vk, decay=decay,
+                                                start=state, chunk=self.chunk, prefix=prefix,
+                                                trail=trail if hi == n else 0, eps=eps)
             outs.append(out)
         if memory is not None:
             memory.write(state, trailing)
@@ -162,10 +155,8 @@ class Performer(KernelAttention):
         found = []
         if options.kernel not in ("softmax", "relu"):
             found.append(f"attn_performer_kernel must be 'softmax' or 'relu', got {options.kernel!r}")
-        if not isinstance(options.redraw, int) or isinstance(options.redraw, bool) or options.redraw < 0:
-            found.append(f"attn_performer_redraw must be an integer >= 0 (0: never), got {options.redraw!r}")
-        return found + _positive(options.features, "attn_performer_features") + _positive(options.chunk,
-                                                                                          "attn_performer_chunk")
+        return (found + checks.whole(options.redraw, "attn_performer_redraw", 0) + checks.whole(options.features, "attn_performer_features", optional=True)
+                + checks.whole(options.chunk, "attn_performer_chunk"))
 
 
 class Rfa(KernelAttention):
@@ -180,6 +171,7 @@ class Rfa(KernelAttention):
     def __init__(self, spec: KernelSpec):
         super().__init__(spec)
         options = spec.options if spec.options is not None else RfaOptions()
+        self.decays = options.gate
         if options.gate:
             self.gate_weight = nn.Parameter(torch.zeros(spec.kv_heads, spec.dim_qk))
             self.gate_bias = nn.Parameter(torch.full((spec.kv_heads,), 2.0))     # starts near g = 0.88
@@ -190,7 +182,8 @@ class Rfa(KernelAttention):
 
     @staticmethod
     def check(options: RfaOptions, cfg: LayersConfig) -> list[str]:
-        found = _positive(options.features, "attn_rfa_features") + _positive(options.chunk, "attn_rfa_chunk")
+        found = (checks.whole(options.features, "attn_rfa_features", optional=True)
+                 + checks.whole(options.chunk, "attn_rfa_chunk"))
         if options.gate and not cfg.causal:
             found.append("attn_rfa_gate decays a causal summary; an Encoder has none (use it in a Decoder)")
         if options.gate and cfg.attention.num_mem_kv:
@@ -199,7 +192,7 @@ class Rfa(KernelAttention):
         return found
 
     def decay(self, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        if not hasattr(self, "gate_weight"):
+        if not self.decays:
             return None, None
         z = torch.einsum("bhjd,hd->bhj", k, self.gate_weight.to(k.dtype)) + self.gate_bias.to(k.dtype)[:, None]
         return -F.softplus(z), -F.softplus(-z)         # log(1 - g), log g

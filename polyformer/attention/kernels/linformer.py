@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
 from ...precision import upcast
@@ -49,8 +50,7 @@ class Linformer(nn.Module):
     def check(options: LinformerOptions, cfg: LayersConfig) -> list[str]:
         found = []
         for name, value in (("k", options.k), ("seq_len", options.seq_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                found.append(f"attn_linformer_{name} must be a positive integer, got {value!r}")
+            found += checks.whole(value, f"attn_linformer_{name}")
         if not isinstance(options.share_kv, bool):
             found.append(f"attn_linformer_share_kv must be True or False, got {options.share_kv!r}")
         return found

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
 from ...precision import upcast
-from ..normalize import fill_masked, zero_masked
+from ..normalize import masked_softmax
 from .dense import match_heads
 
 PINV_INITS = ("row", "batch")
@@ -40,11 +41,6 @@ class NystromOptions:
     conv: int = 0                   # kernel size of the values' depthwise convolution (odd); 0: none
     pinv_init: str = "row"          # ‖A‖₁ of Z₀: "row" per sample and head; "batch": the largest in the
                                     # batch (Hugging Face's, which makes a sample depend on its batch-mates)
-
-
-def masked_softmax(scores: Tensor, keep: Tensor | None) -> Tensor:
-    """Softmax over the last dim with keep-mask `keep` (broadcastable bool); a row keeping nothing is 0."""
-    return zero_masked(fill_masked(scores, keep).softmax(-1), keep)
 
 
 def segment_means(x: Tensor, keep: Tensor | None, m: int) -> tuple[Tensor, Tensor]:
@@ -117,8 +113,7 @@ class Nystrom(nn.Module):
         found = []
         for name, value, low in (("landmarks", options.landmarks, 1), ("pinv_iters", options.pinv_iters, 1),
                                  ("conv", options.conv, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                found.append(f"attn_nystrom_{name} must be an integer >= {low}, got {value!r}")
+            found += checks.whole(value, f"attn_nystrom_{name}", low)
         if isinstance(options.conv, int) and options.conv > 0 and options.conv % 2 == 0:
             found.append(f"attn_nystrom_conv must be 0 or odd (a kernel centred on each position), got {options.conv}")
         if options.pinv_init not in PINV_INITS:

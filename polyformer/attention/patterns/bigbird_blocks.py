@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .layout import Geometry, Pairs, Part, blocks, keys_at, position_blocks, rule, select
 
@@ -41,12 +42,8 @@ class BigBirdBlocks:
 
     @staticmethod
     def check(opts: BigBirdBlocksOptions, heads: int, causal: bool) -> list[str]:
-        out = []
-        if not isinstance(opts.block_size, int) or isinstance(opts.block_size, bool) or opts.block_size < 1:
-            out.append(f"attn_bigbird_blocks: block_size must be an integer >= 1, got {opts.block_size!r}")
-        if not isinstance(opts.random_blocks, int) or isinstance(opts.random_blocks, bool) or opts.random_blocks < 0:
-            out.append(f"attn_bigbird_blocks: random_blocks must be an integer >= 0, got {opts.random_blocks!r}")
-        return out
+        return (checks.whole(opts.block_size, "attn_bigbird_blocks: block_size")
+                + checks.whole(opts.random_blocks, "attn_bigbird_blocks: random_blocks", 0))
 
     def full(self, geo: Geometry) -> bool:
         """Whether the input is short enough for full attention: at most (5 + 2 r) b positions."""

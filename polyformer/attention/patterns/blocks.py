@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .layout import Geometry, Pairs, Part, blocks, causal_ok, keys_at, position_blocks, rule, select
 
@@ -99,8 +100,8 @@ class Blockwise:
 
     @staticmethod
     def check(opts: BlockwiseOptions, heads: int, causal: bool) -> list[str]:
-        if not isinstance(opts.blocks, int) or opts.blocks < 1:
-            return [f"attn_blockwise must be an integer >= 1, got {opts.blocks!r}"]
+        if wrong := checks.whole(opts.blocks, "attn_blockwise"):
+            return wrong
         if heads % opts.blocks:
             return [f"attn_blockwise = {opts.blocks} splits the heads over {opts.blocks} block shifts: heads "
                     f"({heads}) must be a multiple of it"]

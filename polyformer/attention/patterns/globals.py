@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .layout import Geometry, Pairs, Part, blocks, causal_ok, select, take
 
@@ -46,8 +47,8 @@ class Global:
 
     @classmethod
     def check(cls, opts: GlobalOptions | SinkOptions, heads: int, causal: bool) -> list[str]:
-        if not isinstance(opts.tokens, int) or opts.tokens < (0 if cls.queries_too else 1):
-            return [f"{cls.keyword} must be an integer >= {0 if cls.queries_too else 1}, got {opts.tokens!r}"]
+        if wrong := checks.whole(opts.tokens, cls.keyword, 0 if cls.queries_too else 1):
+            return wrong
         if getattr(opts, "projections", False) and causal:
             return ["attn_global_projections recomputes global rows over every key (Longformer, an encoder): "
                     "it cannot be causal (causal=True, a Decoder)"]

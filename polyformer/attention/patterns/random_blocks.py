@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .layout import Geometry, Pairs, Part, keys_at, position_blocks, rule
 
@@ -50,11 +51,7 @@ class RandomBlocks:
 
     @staticmethod
     def check(opts: RandomOptions, heads: int, causal: bool) -> list[str]:
-        if not isinstance(opts.blocks, int) or opts.blocks < 1:
-            return [f"attn_random_blocks must be an integer >= 1, got {opts.blocks!r}"]
-        if not isinstance(opts.block_size, int) or opts.block_size < 1:
-            return [f"attn_block_size must be an integer >= 1, got {opts.block_size!r}"]
-        return []
+        return checks.whole(opts.blocks, "attn_random_blocks") or checks.whole(opts.block_size, "attn_block_size")
 
     def table(self, geo: Geometry, last: int) -> Tensor:
         """(last + 1, r) key blocks of query blocks 0..last (-1 where fewer than r are allowed), on

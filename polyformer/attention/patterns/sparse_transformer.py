@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .blocks import BlockLocal, Summary
 from .layout import Geometry, Pairs, Part
@@ -56,8 +57,8 @@ class SparseTransformer:
     def check(opts: SparseOptions, heads: int, causal: bool) -> list[str]:
         if opts.kind not in ("strided", "fixed"):
             return [f"attn_sparse must be 'strided' or 'fixed', got {opts.kind!r}"]
-        if not isinstance(opts.stride, int) or opts.stride < 1 or (opts.kind == "strided" and opts.stride < 2):
-            return [f"attn_sparse_stride must be an integer >= {2 if opts.kind == 'strided' else 1}, got {opts.stride!r}"]
+        if wrong := checks.whole(opts.stride, "attn_sparse_stride", 2 if opts.kind == "strided" else 1):
+            return wrong
         if opts.kind == "fixed" and not (isinstance(opts.summary, int) and 1 <= opts.summary <= opts.stride):
             return [f"attn_sparse_summary must be in [1, attn_sparse_stride = {opts.stride}], got {opts.summary!r}"]
         if opts.kind == "strided" and opts.summary != 1:

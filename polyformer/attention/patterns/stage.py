@@ -29,10 +29,9 @@ LOCAL = {"window", "global", "sinks", "random"}         # combine freely (Longfo
 def keyword(name: str) -> str:
     """The public keyword that switches piece `name` on: the keyword table's first row writing its
     options (`attn_window` for "window", `attn_global_tokens` for "global", ...)."""
-    from ...keywords import KEYWORDS
+    from ...keywords import writing
 
-    return next(k for k, route in KEYWORDS.items()
-                if route.path is not None and route.path.split(".")[:3] == ["attention", "pattern", name])
+    return writing(f"attention.pattern.{name}", below=True)[0]
 
 
 def takes_global_mask(choices: tuple[Choice, ...]) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ... import checks
 from ...interfaces import Caps
 from .layout import Geometry, Pairs, Part, residue_blocks, rule, valid
 
@@ -43,8 +44,8 @@ class Window:
 
     @staticmethod
     def check(opts: WindowOptions, heads: int, causal: bool) -> list[str]:
-        if opts.size is not None and (not isinstance(opts.size, int) or opts.size < 1):
-            return [f"attn_window must be an integer >= 1, got {opts.size!r}"]
+        if opts.size is not None and (wrong := checks.whole(opts.size, "attn_window")):
+            return wrong
         if not causal and opts.size is not None and opts.size < 2:
             return [f"attn_window on a bidirectional stack sees w // 2 keys each side: it must be >= 2, got {opts.size}"]
         d = dilations(opts, heads)

@@ -219,12 +219,12 @@ def test_bfloat16_stays_close_to_float32():
 
 @pytest.mark.parametrize("keywords, match", [
     (dict(attn_aft="fast"), "attn_aft must be one of"),
-    (dict(attn_aft="local", attn_aft_window=0, attn_aft_max_len=32), "attn_aft_window must be a positive integer"),
-    (dict(attn_aft="conv", attn_aft_window=-2), "attn_aft_window must be a positive integer"),
+    (dict(attn_aft="local", attn_aft_window=0, attn_aft_max_len=32), "attn_aft_window must be an integer >= 1"),
+    (dict(attn_aft="conv", attn_aft_window=-2), "attn_aft_window must be an integer >= 1"),
     (dict(attn_aft="conv"), "attn_aft='conv' needs attn_aft_window"),
     (dict(attn_aft="full"), "attn_aft='full' needs attn_aft_max_len"),
     (dict(attn_aft="local", attn_aft_window=3), "attn_aft='local' needs attn_aft_max_len"),
-    (dict(attn_aft="full", attn_aft_max_len=0), "attn_aft_max_len must be a positive integer"),
+    (dict(attn_aft="full", attn_aft_max_len=0), "attn_aft_max_len must be an integer >= 1"),
     (dict(attn_aft="simple", attn_aft_window=3), "attn_aft='simple' has no window"),
     (dict(attn_aft="full", attn_aft_window=3, attn_aft_max_len=32), "attn_aft='full' has no window"),
     (dict(attn_aft="conv", attn_aft_window=3, attn_aft_max_len=32), "attn_aft_max_len sizes"),

@@ -160,7 +160,7 @@ def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
     with torch.no_grad():
         gated.gate_bias.fill_(-1.0)
     # explicit recurrence S_t = g S_(t-1) + (1 - g) φ(k_t) v_tᵀ, z alike, out = φ(q)ᵀS / φ(q)ᵀz
-    fq, fk = gated.feature.features(q, 2), gated.feature.features(k, 2)
+    fq, fk = gated.feature.query(q), gated.feature.query(k)
     g = torch.sigmoid(torch.tensor(-1.0, dtype=torch.float64))
     S, z, outs = 0, 0, []
     for t in range(13):

@@ -35,7 +35,7 @@ def test_random_fourier_features_estimate_the_gaussian_kernel():
     fourier = Fourier(d, 1, 40000, seed=3, layer=0).double()
     with torch.no_grad():
         fourier.log_sigma.fill_(math.log(0.8))
-    fx, fy = fourier.features(x[None, None], 1)[0, 0], fourier.features(y[None, None], 1)[0, 0]
+    fx, fy = fourier.query(x[None, None])[0, 0], fourier.query(y[None, None])[0, 0]
     xn, yn = torch.nn.functional.normalize(x, dim=-1), torch.nn.functional.normalize(y, dim=-1)
     exact = (-(xn - yn).square().sum(-1) / (2 * 0.8 ** 2)).exp()
     assert ((fx * fy).sum(-1) - exact).abs().max() < 0.02
@@ -62,19 +62,24 @@ def test_error_falls_as_features_grow_and_orthogonal_features_beat_iid():
 
 
 def test_features_are_redrawn_only_on_schedule():
-    favor = Favor(8, 16, "softmax", True, redraw=3, seed=0, layer=1).train()
-    q = torch.randn(1, 1, 4, 8)
+    """attn_performer_redraw=3: each training forward counts once; forwards 3 and 6 draw new features."""
+    stack = Decoder(dim=16, depth=1, heads=2, attn_performer=True, attn_performer_features=8,
+                    attn_performer_redraw=3).train()
+    favor = stack.blocks[0].branch.kernel.feature
+    x = torch.randn(1, 5, 16)
     seen = []
     for _ in range(7):
-        favor(q, q)
+        stack(x)
         seen.append(favor.omega.clone())
     changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
-    assert changed == [False, True, False, False, True, False]        # calls 3 and 6 redraw
-    favor.eval()
+    assert changed == [False, True, False, False, True, False]
     before = favor.omega.clone()
-    favor(q, q)
-    assert torch.equal(before, favor.omega)                             # evaluation never redraws
-    again = Favor(8, 16, "softmax", True, redraw=3, seed=0, layer=1)
+    stack.eval()
+    stack(x)
+    with torch.no_grad():
+        stack.train()(x)
+    assert torch.equal(before, favor.omega)             # evaluation and no-grad forwards never count
+    again = Favor(64, 8, "softmax", True, redraw=3, seed=0, layer=0)     # the head size, 8 features
     again.load_state_dict(favor.state_dict())
     assert torch.equal(again.omega, favor.omega) and int(again.draws) == 2    # a checkpoint keeps its draw
 
