@@ -15,26 +15,14 @@ from torch.testing import assert_close
 from polyformer import Encoder
 from polyformer.attention.kernels import block_sparse, cpu
 
-from .test_cpu_window import banded, grads, leaves, path  # noqa: F401  (path: the backward-path fixture)
-
-
-def reference(q, k, v, scale, window):
-    return banded(q, k, v, scale, window, False)
+from .test_cpu_window import leaves, matches_the_band, path  # noqa: F401  (path: the backward-path fixture)
 
 
 @pytest.mark.parametrize("n", [1, 5, 70, 130, 257])
 @pytest.mark.parametrize("window", [2, 3, 8, 64, 300])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_output_and_gradients_equal_the_banded_reference(n, window, kv_heads, path):
-    q, k, v = leaves((2, 4, n, 16), (2, kv_heads, n, 16), (2, kv_heads, n, 8), seed=n + window)
-    grad_out = torch.randn(2, 4, n, 8, generator=torch.Generator().manual_seed(1))
-    if path == "kept":
-        assert cpu.keeps(q, k, False, window)
-    ours = grads(lambda *t: cpu.attention(*t, 0.25, False, window=window), q, k, v, grad_out)
-    ref = grads(lambda *t: reference(*t, 0.25, window), q, k, v, grad_out)
-    assert ours[2].shape == k.shape
-    for a, b in zip(ours, ref):
-        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    matches_the_band(n, n, window, kv_heads, path, causal=False)
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
