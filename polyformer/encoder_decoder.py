@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .generate.decode import AutoregressiveWrapper
 from .keywords import KEYWORDS, closest
+from .losses import AuxLosses, forward_with_losses, with_aux
 from .stack import Decoder, Encoder
 from .wrappers import TransformerWrapper
 
@@ -77,9 +78,15 @@ class XTransformer(nn.Module):
                               pad_value=pad_value, **keywords)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None) -> Tensor:
-        encoded = self.encoder(src, mask=src_mask, return_embeddings=True)
-        return self.decoder(tgt, mask=tgt_mask, context=encoded, context_mask=src_mask)
+                tgt_mask: Tensor | None = None, return_losses: bool = False) -> Tensor | tuple[Tensor, AuxLosses]:
+        """The decoder's next-token loss on tgt plus both stacks' weighted auxiliary losses; with
+        `return_losses`, (that loss, the merged `AuxLosses`)."""
+        encoded, aux = forward_with_losses(self.encoder, src, mask=src_mask, return_embeddings=True)
+        loss, decoder_aux = self.decoder(tgt, mask=tgt_mask, context=encoded, context_mask=src_mask,
+                                         return_losses=True)
+        loss = with_aux(loss, aux)
+        aux.merge(decoder_aux)
+        return (loss, aux) if return_losses else loss
 
     @torch.no_grad()
     def generate(self, seq_in: Tensor, seq_out_start: Tensor, seq_len: int,

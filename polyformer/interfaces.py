@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
+from .losses import AuxLosses
+
 if TYPE_CHECKING:
     from .memory.kv_cache import DecodeState
 
@@ -40,6 +42,7 @@ class AttnOut:
     out: Tensor                 # (b, h, i, dv) before the output stage; (b, i, dim) after it
     scores: Tensor | None = None    # pre-normalisation scores (b, h, i, j), for residual attention
     weights: Tensor | None = None   # normalised weights (b, h, i, j), when asked for
+    losses: AuxLosses | None = None # auxiliary losses a kernel reports (routing commitment, ...)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Caps:
                                         # and positions without the score matrix (kernel methods, low rank)
     cross: bool = False                 # also serves cross-attention (else cross-attention stays dense)
     memories: bool = True               # reads Transformer-XL memories (keys before the segment)
+    patterns: tuple[str, ...] = ()      # direct kernels: pattern pieces they apply themselves (routing's
+                                        # local heads take "window"); any other piece is refused
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class KernelSpec:
     talking_heads: bool = False         # dense: pre- and post-softmax head mixing
     fused: bool | None = None           # dense: the fused path (None: when possible)
     keep_scores: bool = False           # dense: return scores for residual attention
+    pattern: tuple = ()                 # the stack's pattern choices, for a direct kernel that applies them
 
 
 @dataclass
@@ -101,6 +107,7 @@ class Context:
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
     memo: dict = field(default_factory=dict)
+    losses: AuxLosses = field(default_factory=lambda: AuxLosses())   # blocks report auxiliary losses here
 
 
 class PositionStage(Protocol):

@@ -20,6 +20,7 @@ from .config import LayersConfig
 from .feedforward import FeedForward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
+from .losses import AuxLosses
 from .memory.kv_cache import DecodeState
 from .registry import MIXER, NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
@@ -35,11 +36,14 @@ class Intermediates:
         `return_attn=True`; memory key / values come first along j.
     mems: for each self-attention block, the (normalised) input its keys and values were computed
         from: (b, n, dim). The wrappers turn these into the next segment's `mems`.
+    losses: the auxiliary losses the blocks reported (losses.py): `losses.total()` is what a
+        training loss adds.
     """
 
     hiddens: list[Tensor] = field(default_factory=list)
     attn: list[Tensor] = field(default_factory=list)
     mems: list[Tensor] = field(default_factory=list)
+    losses: AuxLosses = field(default_factory=lambda: AuxLosses())   # a lambda: torch.compile cannot call the class as a factory
 
 
 class Block(nn.Module):
@@ -257,7 +261,7 @@ class AttentionLayers(nn.Module):
         if state is not None:
             state.begin(pos, mask, prefix)
         keep = return_intermediates or return_attn      # else hold no block's input past its use
-        record = Intermediates()
+        record = Intermediates(losses=ctx.losses)
         prev = {"a": None, "c": None}
         for block in self.blocks:
             if keep:

@@ -90,6 +90,8 @@ class Attention(nn.Module):
             if ctx.prefix_span is not None:
                 raise ValueError(f"prefix_len cannot combine with {switch('attention.kernel.', self.cfg_kernel)}")
             out = self.kernel(q, kv, q_pos=ctx.pos, causal=self.causal, memory=memory, need_weights=ctx.need_weights)
+            if out.losses is not None:
+                ctx.losses.merge(out.losses)
             return AttnOut(self.output(out.out, x), weights=out.weights)
         if self.pattern is not None:
             out = self.patterned(q, kv, ctx, prev_scores)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
+from ..losses import AuxLosses, forward_with_losses, with_aux
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
 from .fast import fast_step
@@ -70,7 +71,9 @@ class AutoregressiveWrapper(nn.Module):
         self._compiled: dict[object, nn.Module] = {}   # backend -> compiled net; a dict keeps it out of state_dict
 
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
-                context_mask: Tensor | None = None) -> Tensor:
+                context_mask: Tensor | None = None, return_losses: bool = False) -> Tensor | tuple[Tensor, AuxLosses]:
+        """The next-token loss, plus the weighted auxiliary losses the blocks report (losses.py);
+        with `return_losses`, (that loss, the `AuxLosses` record) for logging each term."""
         if x.ndim != 2 or x.shape[1] < 2:
             raise ValueError(f"x must have shape (batch, seq) with seq >= 2, got {tuple(x.shape)}")
         inp, target = x[:, :-1], x[:, 1:]
@@ -81,8 +84,9 @@ class AutoregressiveWrapper(nn.Module):
                 warnings.warn("mask hides positions whose targets still count in the loss; set those "
                               f"targets to ignore_index={self.ignore_index} to leave them out", stacklevel=2)
             mask = mask[:, :-1]
-        logits = self.net(inp, mask=mask, context=context, context_mask=context_mask)
-        return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index)
+        logits, aux = forward_with_losses(self.net, inp, mask=mask, context=context, context_mask=context_mask)
+        loss = with_aux(F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index), aux)
+        return (loss, aux) if return_losses else loss
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, seq_len: int, eos_token: int | None = None,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..encoder_decoder import XTransformer
+from ..losses import AuxLosses, forward_with_losses, with_aux
 from ..wrappers import TransformerWrapper
 from .batches import checked_rank, integer_at_least
 
@@ -21,7 +22,8 @@ class Objective(Protocol):
         """Raise ValueError / TypeError when the model cannot be trained with this objective."""
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
-        """A scalar loss for this rank's rows of a batch (b, seq_len + 1)."""
+        """A scalar loss for this rank's rows of a batch (b, seq_len + 1), the model's weighted
+        auxiliary losses included; the call's `AuxLosses` are left in `self.aux` for the logs."""
 
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -46,6 +48,7 @@ class _Drawn:
     rank::world_size, like `Batches`."""
 
     def __init__(self, generator: torch.Generator | None, rank: int, world_size: int):
+        self.aux = AuxLosses()
         self.world_size = integer_at_least("world_size", world_size)
         self.rank = checked_rank(rank, world_size)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -66,13 +69,15 @@ class LanguageModeling:
 
     def __init__(self, ignore_index: int = -100):
         self.ignore_index = ignore_index
+        self.aux = AuxLosses()
 
     def check(self, model: nn.Module) -> None:
         _wrapper(model, "language modeling", causal=True)
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
-        logits = model(batch[:, :-1])
-        return F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], ignore_index=self.ignore_index)
+        logits, self.aux = forward_with_losses(model, batch[:, :-1])
+        return with_aux(F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], ignore_index=self.ignore_index),
+                        self.aux)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -140,7 +145,8 @@ class MaskedLanguageModeling(_Drawn):
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
         inp, target, total = self._draw(batch[:, :-1])
         # sum / (global count / world_size): the ranks' mean is the global mean over chosen tokens
-        return _summed_ce(model(inp), target, self.ignore_index) * self.world_size / max(total, 1)
+        logits, self.aux = forward_with_losses(model, inp)
+        return with_aux(_summed_ce(logits, target, self.ignore_index) * self.world_size / max(total, 1), self.aux)
 
 
 class PrefixLanguageModeling(_Drawn):
@@ -180,8 +186,8 @@ class PrefixLanguageModeling(_Drawn):
         # position t predicts token t + 1; inside the prefix (t + 1 < p) that token was visible
         counted = torch.arange(n, device=batch.device)[None] >= (p[:, None] - 1)
         target = target.masked_fill(~counted, self.ignore_index)
-        logits = model(inp, prefix_len=p)
-        return _summed_ce(logits, target, self.ignore_index) * self.world_size / max(total, 1)
+        logits, self.aux = forward_with_losses(model, inp, prefix_len=p)
+        return with_aux(_summed_ce(logits, target, self.ignore_index) * self.world_size / max(total, 1), self.aux)
 
 
 SEQ2SEQ_KINDS = ("copy", "reverse", "sort")
@@ -238,6 +244,7 @@ class Seq2Seq:
 
     def __init__(self, task: Seq2SeqTask):
         self.task = task
+        self.aux = AuxLosses()
 
     def check(self, model: nn.Module) -> None:
         if not isinstance(model, XTransformer):
@@ -249,7 +256,8 @@ class Seq2Seq:
 
     def loss(self, model: nn.Module, batch: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         src, tgt = batch if isinstance(batch, (tuple, list)) else (batch, self.task.targets(batch))
-        return model(src, tgt)
+        loss, self.aux = model(src, tgt, return_losses=True)
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..losses import loss_names
 from .checkpoint import checkpoint_step, load_checkpoint, resume_checkpoint, save_checkpoint
 from .commands import evaluate_run, generate, load_model, load_run  # noqa: F401  (their old home)
 from .distributed import Gathered, join, leave, shard
-from .logs import CSVLog, TensorBoardLog, plot_losses
+from .logs import TRAIN_FIELDS, CSVLog, TensorBoardLog, plot_losses
 from .progress import progress_bar
 from .record import CorpusChanged
 from .resume import Complete, check_remaining, planned_steps, settings_for, updated_config
@@ -151,7 +152,8 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 and not t.fsdp else model
     if t.compile:
         net = torch.compile(net)
-    logs = _Logs(run_dir, step if resume else None, t.tensorboard) if rank == 0 else None
+    aux_names = loss_names(model)      # auxiliary losses the blocks report, logged by name
+    logs = _Logs(run_dir, step if resume else None, t.tensorboard, aux_names) if rank == 0 else None
     bar, show_bar = None, rank == 0 and t.progress
     autocast = (torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
                 if t.bf16 else contextlib.nullcontext())
@@ -163,7 +165,7 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
         while step < t.steps:
             model.train()
             optimizer.zero_grad(set_to_none=True)
-            total = 0.0
+            total, aux = 0.0, torch.zeros(len(aux_names))
             batch = next(batches)
             parts = (list(zip(*(b.chunk(t.grad_accum) for b in batch))) if isinstance(batch, tuple)
                      else batch.chunk(t.grad_accum))
@@ -172,10 +174,12 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                     loss = objective.loss(net, part) / t.grad_accum
                 loss.backward()
                 total += loss.item()
-            if world > 1:           # the logged loss is the global batch's
-                reduced = torch.tensor(total)
+                reported = objective.aux.values()
+                aux += torch.tensor([reported.get(name, 0.0) for name in aux_names]) / t.grad_accum
+            if world > 1:           # the logged losses are the global batch's
+                reduced = torch.cat((torch.tensor([total]), aux))
                 dist.all_reduce(reduced)
-                total = reduced.item() / world
+                total, aux = reduced[0].item() / world, reduced[1:] / world
             if t.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             optimizer.step()
@@ -202,7 +206,8 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                 bar.set_description("evaluating")
             metrics = evaluate(model, objective, settings, data) if evaluate_now else {}
             if logs is not None:
-                logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate)
+                logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate,
+                           dict(zip(aux_names, aux.tolist())))
             if evaluate_now and (rank == 0 or t.fsdp):   # a sharded model samples on every rank
                 _report(model, settings, data, step, metrics, bar, show=rank == 0)
             if step % t.checkpoint_every == 0 or step == t.steps or stop.signal is not None:
@@ -230,14 +235,17 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
 
 
 class _Logs:
-    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool | None = None,
+                 aux_names: tuple[str, ...] = ()):
         self.run_dir = run_dir
-        self.csv = CSVLog(run_dir / "log.csv", resume_step=resume_step)
+        self.csv = CSVLog(run_dir / "log.csv", TRAIN_FIELDS + tuple(f"aux_{n}" for n in aux_names),
+                          resume_step=resume_step)
         self.tensorboard = TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step, asked=tensorboard)
 
-    def write(self, step: int, train_loss: float, val_loss: float | None, lr: float, rate: float) -> None:
+    def write(self, step: int, train_loss: float, val_loss: float | None, lr: float, rate: float,
+              aux: dict[str, float] | None = None) -> None:
         row = {"step": step, "train_loss": train_loss, "val_loss": val_loss if val_loss is not None else "",
-               "lr": lr, "tokens_per_s": round(rate, 1)}
+               "lr": lr, "tokens_per_s": round(rate, 1), **{f"aux_{n}": v for n, v in (aux or {}).items()}}
         self.csv.log(row)
         self.tensorboard.log({k: v for k, v in row.items() if v != ""})
         if val_loss is not None:
