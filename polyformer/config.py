@@ -65,6 +65,7 @@ class FeedForwardConfig:
     glu: bool = False
     dropout: float = 0.0
     bias: bool = True
+    chunks: int = 1                     # computed in this many pieces along the sequence (ff_chunks)
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,16 @@ class LayersConfig:
     norm: str = "layer"                 # "layer", "scale", "rms", "none"  (registry.NORM)
     norm_eps: float = 1e-5
     placement: str = "pre"              # "pre", "post", "sandwich"
-    residual: str = "add"               # "add", "rezero", "gru"           (registry.RESIDUAL)
+    residual: str = "add"               # "add", "rezero", "gru", "deepnorm" (registry.RESIDUAL)
     residual_attn: bool = False
     cross_residual_attn: bool = False
     shift_tokens: int | tuple[int, ...] = 0
     gradient_checkpointing: bool = False
+    deepnorm_depths: tuple[int, int] | None = None   # DeepNet (deepnet.py): (N encoder, M decoder layers) of the
+                                        # encoder-decoder this stack is part of (XTransformer sets it); None: on its own
+    reversible: bool = False            # two streams, inputs recomputed in the backward (reversible.py)
+    reversible_merge: str = "mean"      # the two streams -> the output: "mean" (dim) or "concat" (2 dim,
+                                        # Hugging Face's Reformer; the final norm and the head take 2 dim)
     mixer: Choice | None = None         # what an 'a' block runs instead of attention (registry.MIXER: FNet)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     ff: FeedForwardConfig = field(default_factory=FeedForwardConfig)

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .keywords import closest
+from .position.axial import AxialPositions, axial_positions
 from .position.sinusoidal import sinusoidal
 
 
@@ -76,6 +77,28 @@ class SinusoidalPositions(nn.Module):
     def forward(self, pos: Tensor) -> Tensor:
         emb = sinusoidal(pos, self.dim, dtype=self.scale.dtype if self.scale is not None else torch.float32)
         return emb * self.scale if self.scale is not None else emb
+
+
+def absolute_positions(owner: str, dim: int, max_seq_len: int, use_abs_pos_emb: bool | None,
+                       scaled_sinu_pos_emb: bool, infused: bool, has_pos_emb: bool, axial: object = None,
+                       axial_dims: object = None) -> nn.Module | None:
+    """A wrapper's absolute positions from its keywords: learned, scaled sinusoids, axial or none (the
+    default turns them off when the blocks carry positions themselves, `has_pos_emb`); clashes named."""
+    if scaled_sinu_pos_emb and use_abs_pos_emb is False:
+        raise ValueError(f"{owner}: scaled_sinu_pos_emb=True conflicts with use_abs_pos_emb=False")
+    if infused and (use_abs_pos_emb or scaled_sinu_pos_emb):
+        raise ValueError(f"{owner}: use_abs_pos_emb / scaled_sinu_pos_emb and position_infused_attn=True "
+                         "are two absolute positional schemes; choose one")
+    if axial is not None or axial_dims is not None:
+        conflicts = [name for name, on in (("use_abs_pos_emb", use_abs_pos_emb is not None),
+                                           ("scaled_sinu_pos_emb", scaled_sinu_pos_emb),
+                                           ("position_infused_attn", infused)) if on]
+        return axial_positions(owner, dim, max_seq_len, axial, axial_dims, conflicts)
+    if use_abs_pos_emb is None:
+        use_abs_pos_emb = not has_pos_emb
+    if scaled_sinu_pos_emb:
+        return SinusoidalPositions(dim, scaled=True)
+    return LearnedPositions(max_seq_len, dim) if use_abs_pos_emb else None
 
 
 class MemoryTokens(nn.Module):

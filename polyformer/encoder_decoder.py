@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import deepnet
 from .generate.decode import AutoregressiveWrapper
 from .keywords import KEYWORDS, closest
 from .losses import AuxLosses, forward_with_losses, with_aux
@@ -43,7 +44,8 @@ class XTransformer(nn.Module):
         dim: model width of both stacks.
         tie_token_emb: encoder and decoder share one token embedding (needs equal num_tokens).
         enc_* / dec_*: any `TransformerWrapper` or layer keyword, for that side
-            (e.g. enc_num_tokens, enc_depth, enc_heads, dec_cross_residual_attn).
+            (e.g. enc_num_tokens, enc_depth, enc_heads, dec_cross_residual_attn). enc_deepnorm and
+            dec_deepnorm go together: each stack gets deepnorm_depths = (N, M) (deepnet.py).
     """
 
     def __init__(self, *, dim: int, tie_token_emb: bool = False, ignore_index: int = -100,
@@ -63,6 +65,12 @@ class XTransformer(nn.Module):
                     raise TypeError(f"XTransformer needs {side}_{needed}")
         if "cross_attend" in dec_layers:
             raise TypeError("XTransformer sets dec_cross_attend=True itself")
+        for side, layers in (("enc", enc_layers), ("dec", dec_layers)):
+            if "deepnorm_depths" in layers:
+                raise TypeError(f"XTransformer sets {side}_deepnorm_depths itself (from the two stacks' depths)")
+        if enc_layers.get("deepnorm") or dec_layers.get("deepnorm"):     # DeepNet's alpha / beta need both depths
+            depths = deepnet.pair_depths(dim, enc_layers, dec_layers)
+            enc_layers, dec_layers = ({**layers, "deepnorm_depths": depths} for layers in (enc_layers, dec_layers))
         if dec_layers.get("dim_context") not in (None, dim):     # the context is the encoder's output
             raise ValueError(f"XTransformer: dec_dim_context ({dec_layers['dim_context']}) must equal dim ({dim}): "
                              "the decoder attends to the encoder's output")
@@ -70,6 +78,9 @@ class XTransformer(nn.Module):
             raise ValueError(f"tie_token_emb=True needs enc_num_tokens == dec_num_tokens, got "
                              f"{enc_wrap['num_tokens']} and {dec_wrap['num_tokens']}")
         self.encoder = TransformerWrapper(**enc_wrap, attn_layers=Encoder(dim=dim, **enc_layers))
+        if self.encoder.attn_layers.out_dim != dim:      # reversible_merge="concat": 2 dim features
+            raise ValueError(f"XTransformer: enc_reversible_merge='concat' makes the encoder's output "
+                             f"{self.encoder.attn_layers.out_dim} features wide; the decoder attends to dim ({dim})")
         decoder = TransformerWrapper(**dec_wrap, attn_layers=Decoder(dim=dim, cross_attend=True, **dec_layers))
         if tie_token_emb:
             decoder.token_emb = self.encoder.token_emb

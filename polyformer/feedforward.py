@@ -34,7 +34,9 @@ class GeluTanh(nn.GELU):
 
 
 class FeedForward(nn.Module):
-    """Linear -> activation (optionally gated: a * act(b)) -> dropout -> Linear."""
+    """Linear -> activation (optionally gated: a * act(b)) -> dropout -> Linear. With `cfg.chunks` = c > 1
+    (ff_chunks) the positions go through it in c pieces along the sequence, one after another: the same
+    outputs, and only a piece's hidden tensor (n / c x inner) at a time without autograd."""
 
     def __init__(self, dim: int, cfg: FeedForwardConfig, dim_out: int | None = None):
         super().__init__()
@@ -46,8 +48,19 @@ class FeedForward(nn.Module):
         self.act = ACTIVATION[cfg.activation].build()
         self.dropout = nn.Dropout(cfg.dropout)
         self.proj_out = nn.Linear(inner, dim_out or dim, bias=cfg.bias)
+        self.chunks = cfg.chunks
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.chunks > 1 and x.dim() > 1 and x.shape[-2] > 1:
+            return torch.cat([self.dense(part) for part in self.split(x)], dim=-2)
+        return self.dense(x)
+
+    def split(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x (..., n, d) in the pieces `forward` takes: min(chunks, n) runs of positions."""
+        return x.tensor_split(min(self.chunks, x.shape[-2]), dim=-2)
+
+    def dense(self, x: Tensor) -> Tensor:
+        """The feedforward on every position of x at once."""
         if pooled_applies(self, x):
             return PooledFeedForward.apply(x, self.proj_in.weight, self.proj_in.bias, self.proj_out.weight,
                                            self.proj_out.bias, self.act)

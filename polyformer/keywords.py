@@ -95,6 +95,15 @@ def _bigbird_blocks(arg: Any) -> dict[str, Any]:
     return dict(arg)
 
 
+def _depths(arg: Any) -> tuple[Any, ...] | None:
+    """(N encoder layers, M decoder layers) from any sequence; None: a stack on its own."""
+    if arg is None:
+        return None
+    if not isinstance(arg, (list, tuple)):
+        raise TypeError(f"expected (N encoder layers, M decoder layers), got {arg!r}")
+    return tuple(arg)
+
+
 def _layout(arg: Any) -> tuple[str, ...] | None:
     return None if arg is None else tuple(arg)
 
@@ -121,6 +130,9 @@ KEYWORDS: dict[str, Route] = {
     "use_rmsnorm": flag(norm="rms"),
     "use_rezero": flag(residual="rezero", norm="none"),
     "gate_residual": flag(residual="gru"),
+    # DeepNet (deepnet.py): post-LN with alpha * x + f(x) and the beta-scaled init, alpha / beta from the depths
+    "deepnorm": flag(residual="deepnorm", placement="post"),
+    "deepnorm_depths": Route("deepnorm_depths", _depths),
     "norm_eps": Route("norm_eps", float),
     # positions
     "rotary_pos_emb": flag(attention__position="rotary"),
@@ -200,6 +212,27 @@ KEYWORDS: dict[str, Route] = {
     "attn_aft": Route("attention.kernel.aft.mode"),
     "attn_aft_window": Route("attention.kernel.aft.window"),
     "attn_aft_max_len": Route("attention.kernel.aft.max_len"),
+    # Sparse Sinkhorn attention (attention/kernels/sinkhorn.py): sorted key blocks, keeps keys
+    "attn_sinkhorn": flag(attention__kernel__sinkhorn={}),
+    "attn_sinkhorn_bucket_size": Route("attention.kernel.sinkhorn.bucket_size"),
+    "attn_sinkhorn_iters": Route("attention.kernel.sinkhorn.iters"),
+    "attn_sinkhorn_temperature": Route("attention.kernel.sinkhorn.temperature"),
+    "attn_sinkhorn_sortcut": Route("attention.kernel.sinkhorn.sortcut"),
+    # LSH attention, the Reformer's (attention/kernels/lsh.py): hashed buckets, keeps keys
+    "attn_lsh": flag(attention__kernel__lsh={}),
+    "attn_lsh_bucket_size": Route("attention.kernel.lsh.bucket_size"),
+    "attn_lsh_n_hashes": Route("attention.kernel.lsh.n_hashes"),
+    "attn_lsh_seed": Route("attention.kernel.lsh.seed"),
+    "attn_lsh_n_buckets": Route("attention.kernel.lsh.n_buckets"),
+    "attn_lsh_global_sort": Route("attention.kernel.lsh.global_sort"),
+    "attn_shared_qk": Route("attention.kernel.lsh.shared_qk"),
+    # Routing attention (attention/kernels/routing.py): k-means clusters, keeps keys; local heads take attn_window
+    "attn_routing": flag(attention__kernel__routing={}),
+    "attn_routing_clusters": Route("attention.kernel.routing.clusters"),
+    "attn_routing_window": Route("attention.kernel.routing.window"),
+    "attn_routing_heads": Route("attention.kernel.routing.heads"),
+    "attn_routing_decay": Route("attention.kernel.routing.decay"),
+    "attn_routing_commitment": Route("attention.kernel.routing.commitment"),
     # FNet (mixers/fnet.py): Fourier mixing instead of self-attention
     "attn_fnet": flag(mixer__fnet={}),
     # FLASH's gated attention unit (mixers/gau.py): attention and feedforward in one block
@@ -215,6 +248,12 @@ KEYWORDS: dict[str, Route] = {
     "ff_gelu_tanh": flag(ff__activation="gelu_tanh"),
     "ff_dropout": Route("ff.dropout", float),
     "ff_no_bias": flag(ff__bias=False),
+    # the Reformer's memory-lean stack (reversible.py; feedforward.py)
+    "reversible": Route("reversible"),
+    "ff_chunks": Route("ff.chunks"),
+    # Hugging Face's Reformer (interop/reformer.py): its concatenated streams, its default ReLU
+    "reversible_merge": Route("reversible_merge"),
+    "ff_relu": flag(ff__activation="relu"),
 }
 
 

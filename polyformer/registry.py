@@ -20,7 +20,7 @@ from .mixers import MIXERS
 from .norm import LayerNorm, RMSNorm, ScaleNorm
 from .position.bias import AlibiBias, T5Bias
 from .position.rotary import Rotary
-from .residual import Add, GRUGate, ReZero
+from .residual import Add, GRUGate, ReZero, ScaledAdd
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def _plain(table: dict[str, Any]) -> dict[str, Entry]:
 
 
 NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None})
-RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate})
+RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate, "deepnorm": ScaledAdd})
 ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
                      "swish": nn.SiLU})
 NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})

@@ -1,4 +1,5 @@
-"""How a branch joins the residual stream: add, ReZero (arXiv:2003.04887), GRU gate (arXiv:1910.06764)."""
+"""How a branch joins the residual stream: add, ReZero (arXiv:2003.04887), DeepNorm's alpha * x + y
+(arXiv:2203.00555), GRU gate (arXiv:1910.06764)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ class ReZero(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         return x + self.g * y
+
+
+class ScaledAdd(nn.Module):
+    """alpha * x + y: DeepNorm's residual (arXiv:2203.00555), the stream up-weighted so that each
+    post-LN block moves it less. alpha comes from the stack's depth (deepnet.setup writes it)."""
+
+    def __init__(self, dim: int, alpha: float = 1.0):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return x * self.alpha + y
 
 
 class GRUGate(nn.Module):

@@ -64,6 +64,8 @@ RULES: list[Rule] = [
     Rule(lambda c: not 0 <= c.attention.dropout < 1, "attn_dropout must be in [0, 1), got {attention.dropout}"),
     Rule(lambda c: not 0 <= c.ff.dropout < 1, "ff_dropout must be in [0, 1), got {ff.dropout}"),
     Rule(lambda c: c.ff.mult <= 0, "ff_mult must be > 0, got {ff.mult}"),
+    Rule(lambda c: isinstance(c.ff.chunks, bool) or not isinstance(c.ff.chunks, int) or c.ff.chunks < 1,
+         "ff_chunks must be an integer >= 1, got {ff.chunks!r}"),
     Rule(lambda c: c.attention.num_mem_kv < 0, "attn_num_mem_kv must be >= 0, got {attention.num_mem_kv}"),
     Rule(lambda c: c.attention.topk is not None and c.attention.topk < 1,
          "attn_sparse_topk must be >= 1, got {attention.topk}"),
@@ -170,8 +172,10 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
     from .attention.kernels.direct import problems as kernel_problems
+    from .deepnet import problems as deepnet_problems
+    from .reversible import problems as reversible_problems
 
-    found = kernel_problems(cfg)
+    found = kernel_problems(cfg) + reversible_problems(cfg) + deepnet_problems(cfg)
     if found:
         raise ValueError(f"{owner}: " + found[0])
     if cfg.attention.pattern:

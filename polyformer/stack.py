@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import checks, rules
+from . import checks, deepnet, reversible, rules
 from .attention.attention import Attention
 from .config import LayersConfig
 from .feedforward import FeedForward
@@ -178,10 +178,13 @@ class AttentionLayers(nn.Module):
                 post_norm=norm() if cfg.placement == "post" else None,
                 shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
+        # DeepNet: alpha into the residuals, the beta-scaled init of the blocks' weights (deepnet.py)
+        self.deepnorm = deepnet.setup(self) if cfg.residual == "deepnorm" else None
         self.window = self._decode_window()
         self.num_self_attn = n_self
         self.has_cross = "c" in layout
-        self.final_norm = norm() if cfg.placement in ("pre", "sandwich") else None
+        final = cfg.placement in ("pre", "sandwich") and norm_cls is not None     # of out_dim features
+        self.final_norm = norm_cls(self.out_dim, cfg.norm_eps) if final else None
 
     def _decode_window(self) -> tuple[int, int] | None:
         """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
@@ -218,6 +221,12 @@ class AttentionLayers(nn.Module):
         param = next(self.parameters())
         return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
                            device=device or param.device, kinds=kinds, history=history)
+
+    @property
+    def out_dim(self) -> int:
+        """The feature size of the stack's output: 2 dim when a reversible stack concatenates its two
+        streams (reversible_merge="concat"), else dim."""
+        return 2 * self.cfg.dim if self.cfg.reversible and self.cfg.reversible_merge == "concat" else self.cfg.dim
 
     @property
     def has_pos_emb(self) -> bool:
@@ -263,7 +272,10 @@ class AttentionLayers(nn.Module):
         keep = return_intermediates or return_attn      # else hold no block's input past its use
         record = Intermediates(losses=ctx.losses)
         prev = {"a": None, "c": None}
-        for block in self.blocks:
+        blocks = self.blocks
+        if self.cfg.reversible:         # a depth policy (reversible.py): the pairs run there, not below
+            x, blocks = reversible.forward(self, x, ctx, record, keep), ()
+        for block in blocks:
             if keep:
                 record.hiddens.append(x)
             if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
-from .embedding import (ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, SinusoidalPositions,
-                        TokenEmbedding)
+from .embedding import (AxialPositions, ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding,
+                        TokenEmbedding, absolute_positions)
 from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
 from .registry import MIXER, NORM
@@ -35,7 +35,7 @@ class SequenceWrapper(nn.Module):
     def _setup(self, *, attn_layers: AttentionLayers, max_seq_len: int, emb_dropout: float,
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
                max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False,
-               post_emb_proj: bool = False) -> None:
+               post_emb_proj: bool = False, axial_pos_emb: object = None, axial_pos_emb_dims: object = None) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -62,18 +62,12 @@ class SequenceWrapper(nn.Module):
         self.max_seq_len = max_seq_len
         self.max_mem_len = max_mem_len
         self.shift_mem_down = shift_mem_down
-        if scaled_sinu_pos_emb and use_abs_pos_emb is False:
-            raise ValueError(f"{owner}: scaled_sinu_pos_emb=True conflicts with use_abs_pos_emb=False")
-        if self.attn_layers.cfg.attention.position == "infused" and (use_abs_pos_emb or scaled_sinu_pos_emb):
-            raise ValueError(f"{owner}: use_abs_pos_emb / scaled_sinu_pos_emb and position_infused_attn=True "
-                             "are two absolute positional schemes; choose one")
-        if use_abs_pos_emb is None:       # off when the blocks carry positions themselves
-            use_abs_pos_emb = not self.attn_layers.has_pos_emb
-        self.pos_emb: nn.Module | None = None
-        if scaled_sinu_pos_emb:
-            self.pos_emb = SinusoidalPositions(dim, scaled=True)
-        elif use_abs_pos_emb:
-            self.pos_emb = LearnedPositions(max_seq_len, dim)
+        if max_mem_len and self.attn_layers.cfg.reversible:
+            raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with reversible=True (the "
+                             "backward recomputes the blocks' inputs; none is kept to be a memory)")
+        self.pos_emb = absolute_positions(owner, dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb,
+                                          self.attn_layers.cfg.attention.position == "infused",
+                                          self.attn_layers.has_pos_emb, axial_pos_emb, axial_pos_emb_dims)
         self.post_emb_norm = None
         if post_emb_norm:                 # the stack's own norm and eps (BERT: LayerNorm, eps 1e-12)
             cfg = self.attn_layers.cfg
@@ -89,8 +83,8 @@ class SequenceWrapper(nn.Module):
 
     @property
     def bounded(self) -> bool:
-        """Whether sequences are limited to max_seq_len (learned absolute positions)."""
-        return isinstance(self.pos_emb, LearnedPositions)
+        """Whether sequences are limited to max_seq_len (learned or axial absolute positions)."""
+        return isinstance(self.pos_emb, (LearnedPositions, AxialPositions))
 
     def _check_common(self, n: int, b: int, mask: Tensor | None, mems: list[Tensor] | None,
                       return_mems: bool, return_attn: bool, pos: Tensor | None,
@@ -226,6 +220,9 @@ class TransformerWrapper(SequenceWrapper):
             size}, e.g. {"token_type": 2} for BERT's segments; forward takes their ids as
             `embed_ids={name: (b, n) ids}`, and a table whose ids are not given adds its id 0 at
             every position (BERT's default segment).
+        axial_pos_emb: (a, b), a * b >= max_seq_len: axial absolute positions (Reformer, position/axial.py),
+            p -> concat(E1[p // b], E2[p % b]); axial_pos_emb_dims: their sizes (d1, d2), d1 + d2 = dim
+            (default dim // 2 and the rest).
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
     return_embeddings, return_mems, return_attn, return_intermediates, pos, state, prefix_len,
@@ -243,7 +240,8 @@ class TransformerWrapper(SequenceWrapper):
                  use_abs_pos_emb: bool | None = None, scaled_sinu_pos_emb: bool = False,
                  max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None,
                  logits_bias: bool = True, post_emb_norm: bool = False,
-                 embed_num_tokens: dict[str, int] | None = None, post_emb_proj: bool = False):
+                 embed_num_tokens: dict[str, int] | None = None, post_emb_proj: bool = False,
+                 axial_pos_emb: tuple[int, int] | None = None, axial_pos_emb_dims: tuple[int, int] | None = None):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -252,6 +250,9 @@ class TransformerWrapper(SequenceWrapper):
             raise ValueError(f"TransformerWrapper: num_tokens must be a positive integer, got {num_tokens!r}")
         if tie_embedding and (emb_dim != dim or logits_dim not in (None, num_tokens)):
             raise ValueError("TransformerWrapper: tie_embedding=True needs emb_dim == dim and logits_dim == num_tokens")
+        if tie_embedding and stack.out_dim != dim:
+            raise ValueError(f"TransformerWrapper: tie_embedding=True needs the stack's output to have dim features; "
+                             f"reversible_merge='concat' gives {stack.out_dim}")
         self.num_tokens = num_tokens
         self.token_emb = TokenEmbedding(num_tokens, emb_dim)
         self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
@@ -259,9 +260,11 @@ class TransformerWrapper(SequenceWrapper):
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
-                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj)
+                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj,
+                    axial_pos_emb=axial_pos_emb, axial_pos_emb_dims=axial_pos_emb_dims)
         self.tie_embedding = tie_embedding
-        self.to_logits = None if tie_embedding else nn.Linear(dim, logits_dim or num_tokens, bias=logits_bias)
+        self.to_logits = (None if tie_embedding
+                          else nn.Linear(stack.out_dim, logits_dim or num_tokens, bias=logits_bias))
 
     def head(self, x: Tensor) -> Tensor:
         if self.to_logits is None:
@@ -317,7 +320,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         dim = stack.dim
         self.dim_in = dim_in or dim
         self.project_in = nn.Linear(dim_in, dim) if dim_in is not None else None
-        self.project_out = nn.Linear(dim, dim_out) if dim_out is not None else None
+        self.project_out = nn.Linear(stack.out_dim, dim_out) if dim_out is not None else None
         self.allow_nonfinite = allow_nonfinite
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
@@ -377,7 +380,7 @@ class ViTransformerWrapper(nn.Module):
         self.allow_nonfinite = allow_nonfinite
         self.mlp_head = None
         if num_classes is not None:
-            self.mlp_head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+            self.mlp_head = nn.Sequential(nn.Dropout(dropout), nn.Linear(stack.out_dim, num_classes))
 
     def forward(self, img: Tensor, return_embeddings: bool = False) -> Tensor:
         checks.floats("img", img, 4, "(batch, channels, image_size, image_size)")

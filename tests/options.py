@@ -39,6 +39,8 @@ LAYER_OPTIONS: dict[str, dict] = {
     "gate_residual": dict(gate_residual=True),
     "sandwich_norm": dict(sandwich_norm=True),
     "gradient_checkpointing": dict(gradient_checkpointing=True),
+    # DeepNet (deepnet.py): post-LN with alpha * x + f(x), beta-scaled init
+    "deepnorm": dict(deepnorm=True),
     "emb_dim": dict(emb_dim=24),
     "tie_embedding": dict(tie_embedding=True),
     "combined": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
@@ -80,10 +82,35 @@ KERNEL_OPTIONS: dict[str, dict] = {
     # FLASH's gated attention unit (mixers/gau.py)
     "gau": dict(gau=True, gau_qk_dim=8),
     "gau_chunk": dict(gau=True, gau_chunk=4, gau_qk_dim=8, rotary_pos_emb=True),
+    # Sparse Sinkhorn attention (attention/kernels/sinkhorn.py): 12-14 tokens make 3-4 blocks
+    "attn_sinkhorn": dict(attn_sinkhorn=True, attn_sinkhorn_bucket_size=4, attn_kv_heads=2, attn_num_mem_kv=2,
+                          rotary_pos_emb=True),
+    "attn_sinkhorn_sortcut": dict(attn_sinkhorn=True, attn_sinkhorn_bucket_size=4, attn_sinkhorn_sortcut=2),
+    # LSH attention (attention/kernels/lsh.py): buckets chunked by position; the paper's global sort
+    "attn_lsh": dict(attn_lsh=True, attn_shared_qk=True, attn_lsh_bucket_size=4, attn_lsh_n_hashes=2,
+                     attn_lsh_n_buckets=4, rotary_pos_emb=True),
+    "attn_lsh_separate_qk": dict(attn_lsh=True, attn_lsh_bucket_size=3, attn_lsh_n_hashes=2, attn_lsh_n_buckets=2,
+                                 attn_kv_heads=2),
+    "attn_lsh_global": dict(attn_lsh=True, attn_shared_qk=True, attn_lsh_global_sort=True, attn_lsh_bucket_size=4,
+                            attn_lsh_n_hashes=2),
+    # Routing attention (attention/kernels/routing.py): 2 clusters, chunks of 4; half the heads local
+    "attn_routing": dict(attn_routing=True, attn_routing_clusters=2, attn_routing_window=4, attn_num_mem_kv=2,
+                         rotary_pos_emb=True),
+    "attn_routing_mixed": dict(attn_routing=True, attn_routing_clusters=2, attn_routing_window=4,
+                               attn_routing_heads=2, attn_window=4, attn_kv_heads=2),
+    # reversible layers and chunked feedforward (reversible.py, feedforward.py): on dense attention, as the
+    # Reformer (LSH), and with an auxiliary loss (routing's commitment)
+    "reversible": dict(reversible=True, ff_chunks=5, shift_tokens=1, rotary_pos_emb=True, attn_num_mem_kv=2),
+    "reversible_lsh": dict(reversible=True, ff_chunks=3, attn_lsh=True, attn_shared_qk=True, attn_lsh_bucket_size=4,
+                           attn_lsh_n_hashes=2, attn_lsh_n_buckets=4),
+    "reversible_routing": dict(reversible=True, attn_routing=True, attn_routing_clusters=2, attn_routing_window=4),
+    # Hugging Face's Reformer as converted (interop/reformer.py): streams concatenated, local chunks, ReLU
+    "reversible_concat": dict(reversible=True, reversible_merge="concat", attn_block_local=(4, 4), ff_relu=True),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
-KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom"}
+KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom", "attn_sinkhorn_sortcut",
+                                 "attn_lsh_global"}
 KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS

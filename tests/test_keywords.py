@@ -232,6 +232,7 @@ RULE_CASES = [
     pytest.param(dict(dim=32, depth=2, attn_dropout=1.0), ["attn_dropout"], id="attn_dropout"),
     pytest.param(dict(dim=32, depth=2, ff_dropout=-0.1), ["ff_dropout"], id="ff_dropout"),
     pytest.param(dict(dim=32, depth=2, ff_mult=0), ["ff_mult"], id="ff_mult"),
+    pytest.param(dict(dim=32, depth=2, ff_chunks=0), ["ff_chunks", "0"], id="ff_chunks"),
     pytest.param(dict(dim=32, depth=2, attn_num_mem_kv=-1), ["attn_num_mem_kv"], id="attn_num_mem_kv"),
     pytest.param(dict(dim=32, depth=2, attn_sparse_topk=0), ["attn_sparse_topk"], id="attn_sparse_topk"),
     pytest.param(dict(dim=32, depth=2, attn_sparse_topk=8, attn_use_entmax15=True),

@@ -126,6 +126,16 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "arXiv:2202.10447", layers=dict(rotary_pos_emb=True, gau=True), tasks=("mqar", "listops")),
     Variant("flash", "FLASH mixed chunk attention: GAU quadratic inside chunks of 256, linear across them",
             "arXiv:2202.10447", layers=dict(rotary_pos_emb=True, gau=True, gau_chunk=256), tasks=LINEAR),
+    # --- content-based attention (attention/kernels/): keys found by hashing, clustering or sorting ---
+    Variant("lsh", "Reformer LSH attention: shared QK, 4 hash rounds into 32 buckets, chunks of 64 keys per bucket",
+            "arXiv:2001.04451", layers=dict(rotary_pos_emb=True, attn_lsh=True, attn_lsh_bucket_size=64,
+                                            attn_lsh_n_hashes=4, attn_lsh_n_buckets=32), tasks=ATTENTION),
+    Variant("sinkhorn", "Sparse Sinkhorn attention: blocks of 64 sorted by a learned Gumbel-Sinkhorn permutation",
+            "arXiv:2002.11296", layers=dict(rotary_pos_emb=True, attn_sinkhorn=True, attn_sinkhorn_bucket_size=64),
+            tasks=ATTENTION),
+    Variant("routing", "Routing attention: q / k routed to 16 k-means clusters, 2 chunks of 64 keys of the own cluster",
+            "arXiv:2003.05997", layers=dict(rotary_pos_emb=True, attn_routing=True, attn_routing_clusters=16,
+                                            attn_routing_window=64), tasks=ATTENTION),
     # --- memories ----------------------------------------------------------------------------
     Variant("no_memory", "segments of 128 tokens, no memory of earlier segments", "arXiv:1901.02860",
             layers=dict(rotary_pos_emb=True), tasks=("long_text",)),

@@ -52,12 +52,12 @@ class Attention(nn.Module):
             heads=cfg.heads, kv_heads=self.project.kv_heads, dim_qk=self.project.qk_dim, dim_v=cfg.dim_head,
             causal=self.causal, layer=layer, scale=self.project.qk_dim ** -0.5, dropout=cfg.dropout,
             options=choice.options, normalize=normalize, talking_heads=cfg.talking_heads, fused=cfg.fused,
-            keep_scores=keep_scores))
+            keep_scores=keep_scores, pattern=cfg.pattern if not cross else ()))
         self.direct = self.kernel.caps.form == "direct"
         self.cfg_kernel = choice.name
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
-                        if cfg.pattern and not cross else None)
+                        if cfg.pattern and not cross and not self.direct else None)   # a direct kernel applies its own
         own = patterns.own_projections(cfg.pattern)
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
 
@@ -89,6 +89,8 @@ class Attention(nn.Module):
         if self.direct:
             if ctx.prefix_span is not None:
                 raise ValueError(f"prefix_len cannot combine with {switch('attention.kernel.', self.cfg_kernel)}")
+            if ctx.global_mask is not None:     # a direct kernel's own pattern (routing's local heads) has no globals
+                raise ValueError(f"global_mask cannot combine with {switch('attention.kernel.', self.cfg_kernel)}")
             out = self.kernel(q, kv, q_pos=ctx.pos, causal=self.causal, memory=memory, need_weights=ctx.need_weights)
             if out.losses is not None:
                 ctx.losses.merge(out.losses)

@@ -11,6 +11,7 @@ from ..config import AttentionConfig
 from .. import pooled
 from ..interfaces import KV, Source
 from ..position.sinusoidal import PositionInfusion
+from ..precision import upcast
 
 
 def split_heads(t: Tensor, heads: int) -> Tensor:
@@ -19,12 +20,22 @@ def split_heads(t: Tensor, heads: int) -> Tensor:
     return t.view(b, n, heads, t.shape[-1] // heads).transpose(1, 2)   # explicit d: n may be 0 (empty context)
 
 
+def shared_keys(q: Tensor, eps: float = 1e-6) -> Tensor:
+    """Shared query-key attention's keys (the Reformer, arXiv:2001.04451): the queries (b, h, n, d)
+    normalised to length sqrt(d), x / sqrt(mean(x²) + eps), so that the score scale d^-0.5 gives
+    q · k / |k| (Hugging Face's Reformer: the same eps)."""
+    x = upcast(q)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(q.dtype)
+
+
 class Projection(nn.Module):
     """Projects the queries' input and the key / value source into heads.
 
     Self-attention uses one fused q|k|v weight. Collaborative heads share one query and one key
     projection of `collab_compression * heads * dim_head` features across heads, each head
     re-weighting those features with its own mixing vector; the key then has a single head.
+    Shared query-key attention (a kernel option `shared_qk`, attn_shared_qk) has no key weights in
+    self-attention: the keys are the queries, normalised (`shared_keys`).
     """
 
     def __init__(self, dim: int, cfg: AttentionConfig, dim_context: int | None = None,
@@ -33,6 +44,7 @@ class Projection(nn.Module):
         h, d = cfg.heads, cfg.dim_head
         self.heads, self.dim_head = h, d
         self.kv_heads = 1 if cfg.collab_heads else (cfg.kv_heads or h)
+        self.shared_qk = dim_context is None and getattr(cfg.kernel.options, "shared_qk", False) is True
         self.v_heads = h if cfg.collab_heads else self.kv_heads
         if cfg.collab_heads:
             shared = max(2, int(cfg.collab_compression * h * d) // 2 * 2)
@@ -42,7 +54,7 @@ class Projection(nn.Module):
         else:
             self.qk_dim = d
             self.mixing = None
-            q_out, k_out = h * d, self.kv_heads * d
+            q_out, k_out = h * d, 0 if self.shared_qk else self.kv_heads * d
         v_out = self.v_heads * d
         self.split = (q_out, k_out, v_out)
         self.infusion = PositionInfusion(dim) if infuse else None
@@ -66,12 +78,14 @@ class Projection(nn.Module):
             b_q, b_k, b_v = (self.to_qkv.bias.split(self.split) if self.to_qkv.bias is not None
                              else (None, None, None))
             q = F.linear(self.infusion(x, q_pos), w_q, b_q)
-            k = F.linear(self.infusion(src.x, src.pos), w_k, b_k)
+            k = F.linear(self.infusion(src.x, src.pos), *((w_q, b_q) if self.shared_qk else (w_k, b_k)))
             v = F.linear(src.x, w_v, b_v)
         elif src.x is x:
             q, k, v = pooled.linear(self.to_qkv, x).split(self.split, dim=-1)
+            k = q if self.shared_qk else k
         else:   # XL memories precede x in the source: project once, queries are the last rows
             q, k, v = self.to_qkv(src.x).split(self.split, dim=-1)
+            k = q if self.shared_qk else k
             q = q[:, -x.shape[1]:]
         return self._heads_q(q), self._heads_kv(k, v, src)
 
@@ -94,5 +108,6 @@ class Projection(nn.Module):
             k = k[:, None]                                            # (b, 1, j, shared)
         else:
             k = split_heads(k, self.kv_heads)
+            k = shared_keys(k) if self.shared_qk else k
         v = split_heads(v, self.v_heads)
         return KV(k=k, v=v, pos=src.pos, mask=src.mask)

@@ -115,6 +115,8 @@ class FastStep:
         if net.training:
             return "training mode (dropout)"
         stack = net.attn_layers
+        if stack.cfg.reversible:
+            return "reversible layers (two residual streams, reversible.py)"
         if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):
             return "cross-attention"
         for block in stack.blocks:

@@ -10,9 +10,10 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .longformer import LONGFORMER
 from .nystromformer import NYSTROMFORMER
+from .reformer import REFORMER
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET,
-                                                          BIGBIRD)}
+                                                          BIGBIRD, REFORMER)}
 SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
 
 

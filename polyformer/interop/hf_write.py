@@ -19,7 +19,7 @@ from .family import Family, Unsupported
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # fields that change how a model runs or trains, not what it computes in eval mode
-NOT_COMPARED = {"gradient_checkpointing", "attention.fused", "attention.dropout", "ff.dropout"}
+NOT_COMPARED = {"gradient_checkpointing", "attention.fused", "attention.dropout", "ff.dropout", "ff.chunks"}
 
 
 def facts(model: TransformerWrapper) -> dict[str, Any]:

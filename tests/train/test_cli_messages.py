@@ -1,11 +1,16 @@
 """What the command line says when it is used wrongly (one line, exit status 2, what to do), and
-progress lines whose ETA leaves out the pauses for evaluation."""
+progress lines whose ETA leaves out the pauses for evaluation, and a column per auxiliary loss in the
+training log."""
 
 from __future__ import annotations
+
+import csv
 
 import pytest
 
 from polyformer.train import progress
+
+from .conftest import SMALL
 
 
 @pytest.mark.parametrize("args, message", [
@@ -50,3 +55,18 @@ def test_a_file_where_a_run_directory_belongs_is_named(tmp_path, cli):
         code, out, err = cli(*args)
         assert code == 2 and f"{str(notes)!r} is a file" in err and err.count("\n") == 1, (args, err)
     assert notes.read_text() == "mine"
+
+
+def test_training_logs_each_auxiliary_loss_by_name(cli, corpus, tmp_path):
+    """A model whose blocks report an auxiliary loss (routing attention's k-means commitment): the
+    trainer adds it to the loss and logs it in its own column, every step."""
+    out = tmp_path / "run"
+    code, _, err = cli("train", *SMALL, "--data.paths", str(corpus), "--steps", "3", "--train.eval_every", "3",
+                       "--model.layers.attn_routing", "True", "--model.layers.attn_routing_clusters", "2",
+                       "--model.layers.attn_routing_window", "8", "--out", str(out))
+    assert code == 0, err
+    with open(out / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3
+    terms = [float(r["aux_routing_commitment"]) for r in rows]
+    assert all(0 < t < 4 for t in terms)        # 2 - 2 cos per position, averaged, summed over 1 layer

@@ -5,7 +5,13 @@ small module of its own, listed here by name (the registry reads this table)."""
 from .aft import Aft
 from .linear import KERNELS as _KERNEL_METHODS
 from .linformer import Linformer
+from .lsh import Lsh
 from .nystrom import Nystrom
+from .routing import Routing
+from .sinkhorn import Sinkhorn
 
 DIRECT_KERNELS: dict = {**_KERNEL_METHODS, "linformer": Linformer, "nystrom": Nystrom}
 DIRECT_KERNELS["aft"] = Aft
+DIRECT_KERNELS["sinkhorn"] = Sinkhorn
+DIRECT_KERNELS["lsh"] = Lsh
+DIRECT_KERNELS["routing"] = Routing

@@ -42,8 +42,9 @@ def problems(cfg: LayersConfig) -> list[str]:
         for flag, on in (("attn_talking_heads", a.talking_heads), ("residual_attn", cfg.residual_attn)):
             if on:
                 found.append(f"{name} keeps no attention scores to share: {flag} needs them")
-        if a.pattern:
-            named = " / ".join(dict.fromkeys(pattern_keyword(c.name) for c in a.pattern))
+        foreign = [c for c in a.pattern if c.name not in caps.patterns]    # pieces it does not apply itself
+        if foreign:
+            named = " / ".join(dict.fromkeys(pattern_keyword(c.name) for c in foreign))
             found.append(f"{name} cannot combine with a sparse attention pattern ({named})")
         if a.fused is True:
             found.append(f"attn_flash=True asks for the fused dense kernel; {name} computes attention its own way")

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...reversible import differentiated_forward
+
 
 def random_rows(m: int, d: int, orthogonal: bool, generator: torch.Generator) -> Tensor:
     """(m, d) Gaussian rows; orthogonal: blocks of d mutually orthogonal rows, each row's length drawn
@@ -75,8 +77,9 @@ class Favor(nn.Module):
         return random_rows(self.m, self.dim, self.orthogonal, g).float()
 
     def advance(self) -> None:
-        """Count a training forward; draw new features when the schedule says so (never in evaluation)."""
-        if not (self.training and torch.is_grad_enabled()):
+        """Count a training forward; draw new features when the schedule says so (never in evaluation, nor
+        while a reversible stack's backward recomputes the forward: reversible.differentiated_forward)."""
+        if not (self.training and differentiated_forward()):
             return
         self.calls += 1
         if self.redraw and int(self.calls) % self.redraw == 0:
