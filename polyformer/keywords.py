@@ -2,7 +2,8 @@
 
 Each row routes a keyword to fields of `LayersConfig` (dotted paths such as "attention.bias").
 Two keywords that write different values to the same field conflict (for example two positional
-schemes); the error names both. Unknown keywords fail with the closest valid names.
+schemes); the error names both. Unknown keywords fail with the closest valid names. The rows of
+the family's variants live in `family_keywords.py`, `Route` and the value converters in `routes.py`.
 """
 
 from __future__ import annotations
@@ -10,103 +11,11 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import AttentionConfig, Choice, FeedForwardConfig, LayersConfig
-
-
-@dataclass(frozen=True)
-class Route:
-    """Write `value(arg)` to `path`; a `when_true` route writes fixed fields only if arg is truthy."""
-
-    path: str | None = None
-    convert: Callable[[Any], Any] | None = None
-    when_true: dict[str, Any] | None = None
-
-    def writes(self, arg: Any) -> dict[str, Any]:
-        if self.when_true is not None:
-            if not isinstance(arg, bool):
-                raise TypeError(f"expected True or False, got {arg!r}")
-            return dict(self.when_true) if arg else {}
-        value = self.convert(arg) if self.convert is not None else arg
-        return {self.path: value}
-
-
-def flag(**fields: Any) -> Route:
-    return Route(when_true={k.replace("__", "."): v for k, v in fields.items()})
-
-
-def _pre_norm(arg: Any) -> str:
-    if not isinstance(arg, bool):
-        raise TypeError(f"expected True or False, got {arg!r}")
-    return "pre" if arg else "post"
-
-
-def _shift(arg: Any) -> int | tuple[int, ...]:
-    if isinstance(arg, (list, tuple)):
-        return tuple(int(a) for a in arg)
-    return int(arg)
-
-
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _llama3(arg: Any) -> tuple[float, float, float, float] | None:
-    """{factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (Hugging Face's
-    names for Llama 3's rope scaling) -> a tuple in that order; None: off."""
-    if arg is None:
-        return None
-    if not isinstance(arg, dict) or set(arg) != set(LLAMA3_KEYS):
-        raise TypeError(f"expected a dict with exactly the keys {list(LLAMA3_KEYS)}, got {arg!r}")
-    return tuple(float(arg[k]) for k in LLAMA3_KEYS)
-
-
-def _ints(arg: Any) -> int | tuple[int, ...]:
-    """An integer, or a sequence of them (one per head)."""
-    if isinstance(arg, (list, tuple)):
-        return tuple(arg)
-    return arg
-
-
-def _pairs(arg: Any) -> Any:
-    """((w1, r1), (w2, r2), ...) from any nesting of lists / tuples."""
-    if isinstance(arg, (list, tuple)):
-        return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in arg)
-    return arg
-
-
-def _block_local(arg: Any) -> dict[str, Any]:
-    if not isinstance(arg, (list, tuple)) or len(arg) != 2:
-        raise TypeError(f"expected (query_block, memory), got {arg!r}")
-    return {"query_block": arg[0], "memory": arg[1]}
-
-
-def _local_2d(arg: Any) -> dict[str, Any]:
-    keys = {"image", "query", "memory"}
-    if not isinstance(arg, dict) or not {"image", "query"} <= set(arg) <= keys:
-        raise TypeError(f"expected dict(image=(H, W), query=(qh, qw), memory=(mh, mw)), got {arg!r}")
-    return {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in arg.items()}
-
-
-def _bigbird_blocks(arg: Any) -> dict[str, Any]:
-    if not isinstance(arg, dict) or "block_size" not in arg or not set(arg) <= {"block_size", "random_blocks"}:
-        raise TypeError(f"expected dict(block_size=b, random_blocks=r), got {arg!r}")
-    return dict(arg)
-
-
-def _depths(arg: Any) -> tuple[Any, ...] | None:
-    """(N encoder layers, M decoder layers) from any sequence; None: a stack on its own."""
-    if arg is None:
-        return None
-    if not isinstance(arg, (list, tuple)):
-        raise TypeError(f"expected (N encoder layers, M decoder layers), got {arg!r}")
-    return tuple(arg)
-
-
-def _layout(arg: Any) -> tuple[str, ...] | None:
-    return None if arg is None else tuple(arg)
-
+from .family_keywords import FAMILY_KEYWORDS
+from .routes import Route, _layout, _llama3, _pre_norm, _shift, flag
 
 KEYWORDS: dict[str, Route] = {
     # the stack
@@ -130,10 +39,6 @@ KEYWORDS: dict[str, Route] = {
     "use_rmsnorm": flag(norm="rms"),
     "use_rezero": flag(residual="rezero", norm="none"),
     "gate_residual": flag(residual="gru"),
-    # DeepNet (deepnet.py): post-LN with alpha * x + f(x) and the beta-scaled init, alpha / beta from the depths
-    "deepnorm": flag(residual="deepnorm", placement="post"),
-    "deepnorm_depths": Route("deepnorm_depths", _depths),
-    "norm_eps": Route("norm_eps", float),
     # positions
     "rotary_pos_emb": flag(attention__position="rotary"),
     "rotary_emb_dim": Route("attention.rotary_dim"),
@@ -166,80 +71,6 @@ KEYWORDS: dict[str, Route] = {
     "attn_flash": Route("attention.fused"),
     "attn_qkv_bias": flag(attention__qkv_bias=True),
     "attn_out_bias": flag(attention__out_bias=True),
-    # sparse attention patterns (attention/patterns/): each writes its piece's options
-    "attn_window": Route("attention.pattern.window.size"),
-    "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),
-    "attn_global_tokens": Route("attention.pattern.global.tokens"),
-    "attn_global_projections": Route("attention.pattern.global.projections"),
-    "attn_sink_tokens": Route("attention.pattern.sinks.tokens"),
-    "attn_random_blocks": Route("attention.pattern.random.blocks"),
-    "attn_block_size": Route("attention.pattern.random.block_size"),
-    "attn_random_seed": Route("attention.pattern.random.seed"),
-    "attn_sparse": Route("attention.pattern.sparse_transformer.kind"),
-    "attn_sparse_stride": Route("attention.pattern.sparse_transformer.stride"),
-    "attn_sparse_summary": Route("attention.pattern.sparse_transformer.summary"),
-    "attn_sparse_mode": Route("attention.pattern.sparse_transformer.mode"),
-    "attn_blockwise": Route("attention.pattern.blockwise.blocks"),
-    "attn_block_local": Route("attention.pattern.block_local", _block_local),
-    "attn_local_2d": Route("attention.pattern.local_2d", _local_2d),
-    "attn_dilated": Route("attention.pattern.dilated.segments", _pairs),
-    # BigBird's block layout as Hugging Face computes it (attention/patterns/bigbird_blocks.py)
-    "attn_bigbird_blocks": Route("attention.pattern.bigbird_blocks", _bigbird_blocks),
-    # kernel attention (attention/kernels/linear.py): a recurrent decode state
-    "attn_linear": Route("attention.kernel.linear.feature"),
-    "attn_linear_chunk": Route("attention.kernel.linear.chunk"),
-    "attn_performer": flag(attention__kernel__performer={}),
-    "attn_performer_features": Route("attention.kernel.performer.features"),
-    "attn_performer_kernel": Route("attention.kernel.performer.kernel"),
-    "attn_performer_redraw": Route("attention.kernel.performer.redraw"),
-    "attn_performer_orthogonal": Route("attention.kernel.performer.orthogonal"),
-    "attn_performer_seed": Route("attention.kernel.performer.seed"),
-    "attn_performer_chunk": Route("attention.kernel.performer.chunk"),
-    "attn_rfa": flag(attention__kernel__rfa={}),
-    "attn_rfa_features": Route("attention.kernel.rfa.features"),
-    "attn_rfa_gate": Route("attention.kernel.rfa.gate"),
-    "attn_rfa_seed": Route("attention.kernel.rfa.seed"),
-    "attn_rfa_chunk": Route("attention.kernel.rfa.chunk"),
-    # low-rank attention (attention/kernels/linformer.py, nystrom.py): bidirectional only
-    "attn_linformer_k": Route("attention.kernel.linformer.k"),
-    "attn_linformer_seq_len": Route("attention.kernel.linformer.seq_len"),
-    "attn_linformer_share_kv": Route("attention.kernel.linformer.share_kv"),
-    "attn_nystrom_landmarks": Route("attention.kernel.nystrom.landmarks"),
-    "attn_nystrom_pinv_iters": Route("attention.kernel.nystrom.pinv_iters"),
-    "attn_nystrom_pinv_init": Route("attention.kernel.nystrom.pinv_init"),
-    "attn_nystrom_conv": Route("attention.kernel.nystrom.conv"),
-    # Attention Free Transformer (attention/kernels/aft.py): keeps keys in a decode state
-    "attn_aft": Route("attention.kernel.aft.mode"),
-    "attn_aft_window": Route("attention.kernel.aft.window"),
-    "attn_aft_max_len": Route("attention.kernel.aft.max_len"),
-    # Sparse Sinkhorn attention (attention/kernels/sinkhorn.py): sorted key blocks, keeps keys
-    "attn_sinkhorn": flag(attention__kernel__sinkhorn={}),
-    "attn_sinkhorn_bucket_size": Route("attention.kernel.sinkhorn.bucket_size"),
-    "attn_sinkhorn_iters": Route("attention.kernel.sinkhorn.iters"),
-    "attn_sinkhorn_temperature": Route("attention.kernel.sinkhorn.temperature"),
-    "attn_sinkhorn_sortcut": Route("attention.kernel.sinkhorn.sortcut"),
-    # LSH attention, the Reformer's (attention/kernels/lsh.py): hashed buckets, keeps keys
-    "attn_lsh": flag(attention__kernel__lsh={}),
-    "attn_lsh_bucket_size": Route("attention.kernel.lsh.bucket_size"),
-    "attn_lsh_n_hashes": Route("attention.kernel.lsh.n_hashes"),
-    "attn_lsh_seed": Route("attention.kernel.lsh.seed"),
-    "attn_lsh_n_buckets": Route("attention.kernel.lsh.n_buckets"),
-    "attn_lsh_global_sort": Route("attention.kernel.lsh.global_sort"),
-    "attn_shared_qk": Route("attention.kernel.lsh.shared_qk"),
-    # Routing attention (attention/kernels/routing.py): k-means clusters, keeps keys; local heads take attn_window
-    "attn_routing": flag(attention__kernel__routing={}),
-    "attn_routing_clusters": Route("attention.kernel.routing.clusters"),
-    "attn_routing_window": Route("attention.kernel.routing.window"),
-    "attn_routing_heads": Route("attention.kernel.routing.heads"),
-    "attn_routing_decay": Route("attention.kernel.routing.decay"),
-    "attn_routing_commitment": Route("attention.kernel.routing.commitment"),
-    # FNet (mixers/fnet.py): Fourier mixing instead of self-attention
-    "attn_fnet": flag(mixer__fnet={}),
-    # FLASH's gated attention unit (mixers/gau.py): attention and feedforward in one block
-    "gau": flag(mixer__gau={}),
-    "gau_chunk": Route("mixer.gau.chunk"),
-    "gau_qk_dim": Route("mixer.gau.qk_dim"),
-    "gau_expansion": Route("mixer.gau.expansion"),
     # feedforward
     "ff_mult": Route("ff.mult"),
     "ff_glu": Route("ff.glu"),
@@ -248,12 +79,7 @@ KEYWORDS: dict[str, Route] = {
     "ff_gelu_tanh": flag(ff__activation="gelu_tanh"),
     "ff_dropout": Route("ff.dropout", float),
     "ff_no_bias": flag(ff__bias=False),
-    # the Reformer's memory-lean stack (reversible.py; feedforward.py)
-    "reversible": Route("reversible"),
-    "ff_chunks": Route("ff.chunks"),
-    # Hugging Face's Reformer (interop/reformer.py): its concatenated streams, its default ReLU
-    "reversible_merge": Route("reversible_merge"),
-    "ff_relu": flag(ff__activation="relu"),
+    **FAMILY_KEYWORDS,
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..keywords import LLAMA3_KEYS
+from ..routes import LLAMA3_KEYS
 from ..stack import Decoder
 from ..wrappers import TransformerWrapper
 from .family import Family, Link, Unsupported, activation, ff_mult, head_keywords, head_links, inner_dim, layer_names

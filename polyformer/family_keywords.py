@@ -1,0 +1,93 @@
+"""The keyword rows of the family's variants (sparse patterns, kernels, mixers, depth policies): one
+row per public keyword, merged into `keywords.KEYWORDS`; the x-transformers keywords stay there."""
+
+from __future__ import annotations
+
+from .routes import Route, _bigbird_blocks, _block_local, _depths, _ints, _local_2d, _pairs, flag
+
+FAMILY_KEYWORDS: dict[str, Route] = {
+    # DeepNet (deepnet.py): post-LN with alpha * x + f(x) and the beta-scaled init, alpha / beta from the depths
+    "deepnorm": flag(residual="deepnorm", placement="post"),
+    "deepnorm_depths": Route("deepnorm_depths", _depths),
+    "norm_eps": Route("norm_eps", float),
+    # sparse attention patterns (attention/patterns/): each writes its piece's options
+    "attn_window": Route("attention.pattern.window.size"),
+    "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),
+    "attn_global_tokens": Route("attention.pattern.global.tokens"),
+    "attn_global_projections": Route("attention.pattern.global.projections"),
+    "attn_sink_tokens": Route("attention.pattern.sinks.tokens"),
+    "attn_random_blocks": Route("attention.pattern.random.blocks"),
+    "attn_block_size": Route("attention.pattern.random.block_size"),
+    "attn_random_seed": Route("attention.pattern.random.seed"),
+    "attn_sparse": Route("attention.pattern.sparse_transformer.kind"),
+    "attn_sparse_stride": Route("attention.pattern.sparse_transformer.stride"),
+    "attn_sparse_summary": Route("attention.pattern.sparse_transformer.summary"),
+    "attn_sparse_mode": Route("attention.pattern.sparse_transformer.mode"),
+    "attn_blockwise": Route("attention.pattern.blockwise.blocks"),
+    "attn_block_local": Route("attention.pattern.block_local", _block_local),
+    "attn_local_2d": Route("attention.pattern.local_2d", _local_2d),
+    "attn_dilated": Route("attention.pattern.dilated.segments", _pairs),
+    # BigBird's block layout as Hugging Face computes it (attention/patterns/bigbird_blocks.py)
+    "attn_bigbird_blocks": Route("attention.pattern.bigbird_blocks", _bigbird_blocks),
+    # kernel attention (attention/kernels/linear.py): a recurrent decode state
+    "attn_linear": Route("attention.kernel.linear.feature"),
+    "attn_linear_chunk": Route("attention.kernel.linear.chunk"),
+    "attn_performer": flag(attention__kernel__performer={}),
+    "attn_performer_features": Route("attention.kernel.performer.features"),
+    "attn_performer_kernel": Route("attention.kernel.performer.kernel"),
+    "attn_performer_redraw": Route("attention.kernel.performer.redraw"),
+    "attn_performer_orthogonal": Route("attention.kernel.performer.orthogonal"),
+    "attn_performer_seed": Route("attention.kernel.performer.seed"),
+    "attn_performer_chunk": Route("attention.kernel.performer.chunk"),
+    "attn_rfa": flag(attention__kernel__rfa={}),
+    "attn_rfa_features": Route("attention.kernel.rfa.features"),
+    "attn_rfa_gate": Route("attention.kernel.rfa.gate"),
+    "attn_rfa_seed": Route("attention.kernel.rfa.seed"),
+    "attn_rfa_chunk": Route("attention.kernel.rfa.chunk"),
+    # low-rank attention (attention/kernels/linformer.py, nystrom.py): bidirectional only
+    "attn_linformer_k": Route("attention.kernel.linformer.k"),
+    "attn_linformer_seq_len": Route("attention.kernel.linformer.seq_len"),
+    "attn_linformer_share_kv": Route("attention.kernel.linformer.share_kv"),
+    "attn_nystrom_landmarks": Route("attention.kernel.nystrom.landmarks"),
+    "attn_nystrom_pinv_iters": Route("attention.kernel.nystrom.pinv_iters"),
+    "attn_nystrom_pinv_init": Route("attention.kernel.nystrom.pinv_init"),
+    "attn_nystrom_conv": Route("attention.kernel.nystrom.conv"),
+    # Attention Free Transformer (attention/kernels/aft.py): keeps keys in a decode state
+    "attn_aft": Route("attention.kernel.aft.mode"),
+    "attn_aft_window": Route("attention.kernel.aft.window"),
+    "attn_aft_max_len": Route("attention.kernel.aft.max_len"),
+    # Sparse Sinkhorn attention (attention/kernels/sinkhorn.py): sorted key blocks, keeps keys
+    "attn_sinkhorn": flag(attention__kernel__sinkhorn={}),
+    "attn_sinkhorn_bucket_size": Route("attention.kernel.sinkhorn.bucket_size"),
+    "attn_sinkhorn_iters": Route("attention.kernel.sinkhorn.iters"),
+    "attn_sinkhorn_temperature": Route("attention.kernel.sinkhorn.temperature"),
+    "attn_sinkhorn_sortcut": Route("attention.kernel.sinkhorn.sortcut"),
+    # LSH attention, the Reformer's (attention/kernels/lsh.py): hashed buckets, keeps keys
+    "attn_lsh": flag(attention__kernel__lsh={}),
+    "attn_lsh_bucket_size": Route("attention.kernel.lsh.bucket_size"),
+    "attn_lsh_n_hashes": Route("attention.kernel.lsh.n_hashes"),
+    "attn_lsh_seed": Route("attention.kernel.lsh.seed"),
+    "attn_lsh_n_buckets": Route("attention.kernel.lsh.n_buckets"),
+    "attn_lsh_global_sort": Route("attention.kernel.lsh.global_sort"),
+    "attn_shared_qk": Route("attention.kernel.lsh.shared_qk"),
+    # Routing attention (attention/kernels/routing.py): k-means clusters, keeps keys; local heads take attn_window
+    "attn_routing": flag(attention__kernel__routing={}),
+    "attn_routing_clusters": Route("attention.kernel.routing.clusters"),
+    "attn_routing_window": Route("attention.kernel.routing.window"),
+    "attn_routing_heads": Route("attention.kernel.routing.heads"),
+    "attn_routing_decay": Route("attention.kernel.routing.decay"),
+    "attn_routing_commitment": Route("attention.kernel.routing.commitment"),
+    # FNet (mixers/fnet.py): Fourier mixing instead of self-attention
+    "attn_fnet": flag(mixer__fnet={}),
+    # FLASH's gated attention unit (mixers/gau.py): attention and feedforward in one block
+    "gau": flag(mixer__gau={}),
+    "gau_chunk": Route("mixer.gau.chunk"),
+    "gau_qk_dim": Route("mixer.gau.qk_dim"),
+    "gau_expansion": Route("mixer.gau.expansion"),
+    # the Reformer's memory-lean stack (reversible.py; feedforward.py)
+    "reversible": Route("reversible"),
+    "ff_chunks": Route("ff.chunks"),
+    # Hugging Face's Reformer (interop/reformer.py): its concatenated streams, its default ReLU
+    "reversible_merge": Route("reversible_merge"),
+    "ff_relu": flag(ff__activation="relu"),
+}
