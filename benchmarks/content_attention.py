@@ -1,5 +1,5 @@
-"""Content-based sparse attention (issue 18): one causal attention block of each family (LSH; Routing and
-Sinkhorn join through `benchmarks/content_competitors.FAMILIES`) against our dense attention and against
+"""Content-based sparse attention (issue 18): one causal attention block of each family (LSH, Routing,
+Sinkhorn: `benchmarks/content_competitors.FAMILIES`) against our dense attention and against
 the layers of the packages users would pick, at equal settings.
 
     python -m benchmarks.content_attention [--quick] [--families lsh] [--lengths 1024,4096,16384]

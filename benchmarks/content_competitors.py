@@ -1,6 +1,6 @@
 """The contenders of `benchmarks/content_attention.py`: content-based sparse attention (issue 18) as one
 attention block, our dense attention, and the PyPI / Hugging Face layers users would pick instead at equal
-settings. Each family is a `Family` in `FAMILIES`; a colleague's variant (Routing, Sinkhorn) adds one.
+settings. Each family is a `Family` in `FAMILIES`: LSH, Routing, Sinkhorn.
 
 - polyformer: `Decoder(dim=512, depth=1, heads=8, custom_layers=("a",), <keywords>)`: pre-norm, bias-free
   projections, the kernel, output projection, residual, the stack's final norm.
@@ -104,7 +104,67 @@ LSH = Family("lsh", _lsh_ours, (
             "is_decoder=True; global sort; plus its output dense (bias-free)."),
 ))
 
-FAMILIES: list[Family] = [LSH]
+class RoutingTransformerLayer(nn.Module):
+    """routing-transformer's SelfAttention in polyformer's block: x + attn(norm(x)), final norm. Its k-means
+    initialises itself on the first training call (its #4: an untrained layer cannot run in eval), so one
+    training call is made when it is built."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        from routing_transformer.routing_transformer import SelfAttention
+
+        self.norm, self.final_norm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = SelfAttention(DIM, 1, n, HEADS, 0, WINDOW, dim_head=DIM_HEAD, causal=True)
+        self(torch.randn(1, n, DIM))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _aux = self.attn(self.norm(x))
+        return self.final_norm(x + out)
+
+
+WINDOW = 64
+
+
+def _routing_ours(n: int) -> list[Contender]:
+    clusters = max(1, n // WINDOW)
+    return [polyformer("polyformer routing", True, attn_routing=True, attn_routing_clusters=clusters,
+                       attn_routing_window=WINDOW,
+                       note=f"Decoder(custom_layers=('a',), attn_routing=True, attn_routing_clusters={clusters}, "
+                            f"attn_routing_window={WINDOW}): every head routes; a query sees its cluster's keys "
+                            "in its chunk and the one before, earlier positions only")]
+
+
+ROUTING = Family("routing", _routing_ours, (
+    Package("routing-transformer SelfAttention(causal)", "routing-transformer", RoutingTransformerLayer,
+            f"n / {WINDOW} clusters, window_size={WINDOW}, local_attn_heads=0, causal; each cluster takes its "
+            f"{WINDOW} nearest tokens of the whole sequence (leaks the future)."),
+))
+
+SINKHORN_ITERS, SINKHORN_TEMPERATURE = 5, 0.75
+
+
+def _sinkhorn_ours(n: int) -> list[Contender]:
+    return [polyformer("polyformer sinkhorn", True, attn_sinkhorn=True, attn_sinkhorn_bucket_size=CHUNK,
+                       attn_sinkhorn_iters=SINKHORN_ITERS, attn_sinkhorn_temperature=SINKHORN_TEMPERATURE,
+                       note=f"Decoder(custom_layers=('a',), attn_sinkhorn=True, bucket {CHUNK}, {SINKHORN_ITERS} "
+                            f"iterations, temperature {SINKHORN_TEMPERATURE}): causal Sinkhorn balancing")]
+
+
+def _sinkhorn_transformer(n: int) -> nn.Module:
+    from sinkhorn_transformer import SinkhornSelfAttention
+
+    return PackageLayer(SinkhornSelfAttention(DIM, CHUNK, n, heads=HEADS, dim_head=DIM_HEAD, causal=True,
+                                              non_permutative=False, sinkhorn_iter=SINKHORN_ITERS,
+                                              temperature=SINKHORN_TEMPERATURE, n_top_buckets=1))
+
+
+SINKHORN = Family("sinkhorn", _sinkhorn_ours, (
+    Package("sinkhorn-transformer SinkhornCausalAttention", "sinkhorn-transformer", _sinkhorn_transformer,
+            f"bucket {CHUNK}, n_top_buckets=1; its causal path has no Sinkhorn balancing (a masked "
+            "differentiable top-k of cumulative-mean scores); needs n divisible by the bucket; no decode cache."),
+))
+
+FAMILIES: list[Family] = [LSH, ROUTING, SINKHORN]
 
 
 def dense() -> Contender:
