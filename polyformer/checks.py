@@ -154,7 +154,8 @@ def global_mask(stack: "AttentionLayers", mask: object, x: Tensor) -> None:
     """global_mask (b, n) bool marks global tokens of an Encoder with an attention pattern."""
     from .attention.patterns import takes_global_mask
 
-    if not takes_global_mask(stack.cfg.attention.pattern):
+    patterned = [a.pattern for a in stack.cfg.self_attention if a.pattern]   # per block (attn_per_layer)
+    if not patterned or not all(takes_global_mask(p) for p in patterned):
         raise ValueError("global_mask marks global tokens of an attention pattern; the stack has none that takes "
                          "them (set attn_window, attn_sparse, ... ; attn_dilated and attn_bigbird_blocks take none)")
     if stack.causal:

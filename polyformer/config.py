@@ -13,6 +13,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .act import ActOptions
+from .hourglass import HourglassOptions
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -93,8 +96,23 @@ class LayersConfig:
     reversible_merge: str = "mean"      # the two streams -> the output: "mean" (dim) or "concat" (2 dim,
                                         # Hugging Face's Reformer; the final norm and the head take 2 dim)
     mixer: Choice | None = None         # what an 'a' block runs instead of attention (registry.MIXER: FNet)
+    universal: bool = False             # Universal Transformer (universal.py): one unit's weights applied depth times
+    ut_timestep_emb: bool = False       # its coordinate embedding (position and step sinusoids) before every step
+    act: ActOptions | None = None       # ACT halting per position over the universal steps (act.py)
+    hourglass: HourglassOptions | None = None   # Hourglass (hourglass.py): middle layers on a shortened sequence
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    attention_layers: tuple[AttentionConfig, ...] | None = None   # one per self-attention block (attn_per_layer,
+                                        # per_layer.py): the stack's `attention` with the block's own keywords on top
     ff: FeedForwardConfig = field(default_factory=FeedForwardConfig)
+
+    def attention_of(self, layer: int) -> AttentionConfig:
+        """The attention config of self-attention block `layer` (its index among the stack's 'a' blocks)."""
+        return self.attention if self.attention_layers is None else self.attention_layers[layer]
+
+    @property
+    def self_attention(self) -> tuple[AttentionConfig, ...]:
+        """The self-attention blocks' configs: one per block with attn_per_layer, else the stack's own alone."""
+        return self.attention_layers if self.attention_layers is not None else (self.attention,)
 
     @property
     def layout(self) -> tuple[str, ...]:

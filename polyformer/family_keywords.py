@@ -3,6 +3,9 @@ row per public keyword, merged into `keywords.KEYWORDS`; the x-transformers keyw
 
 from __future__ import annotations
 
+from .act import ActOptions
+from .hourglass import depths_keyword as _hourglass_depths, keyword as _hourglass
+from .per_layer import parse as _per_layer
 from .routes import Route, _bigbird_blocks, _block_local, _depths, _ints, _local_2d, _pairs, flag
 
 FAMILY_KEYWORDS: dict[str, Route] = {
@@ -90,4 +93,23 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     # Hugging Face's Reformer (interop/reformer.py): its concatenated streams, its default ReLU
     "reversible_merge": Route("reversible_merge"),
     "ff_relu": flag(ff__activation="relu"),
+    # Universal Transformer (universal.py) and ACT halting over its steps (act.py)
+    "universal": Route("universal"),
+    "ut_timestep_emb": Route("ut_timestep_emb"),
+    "act": flag(act=ActOptions()),
+    "act_threshold": Route("act.threshold"),
+    "act_max_steps": Route("act.max_steps"),
+    "act_ponder_weight": Route("act.ponder_weight"),
+    # Hourglass (hourglass.py): pre layers, layers on the pooled sequence (nested per factor), upsampling, post layers
+    "hourglass": Route("hourglass", _hourglass),
+    "hourglass_depths": Route("hourglass.depths", _hourglass_depths),
+    "hourglass_pool": Route("hourglass.pool"),
+    "hourglass_upsample": Route("hourglass.upsample"),
+    # adaptive attention span (attention/kernels/adaptive_span.py): learned soft span per head, causal
+    "attn_adaptive_span": Route("attention.kernel.adaptive_span.span"),
+    "attn_adaptive_span_ramp": Route("attention.kernel.adaptive_span.ramp"),
+    "attn_adaptive_span_loss": Route("attention.kernel.adaptive_span.loss"),
+    "attn_adaptive_span_init": Route("attention.kernel.adaptive_span.init"),
+    # per-layer attention options (per_layer.py): one dict of attention keywords per self-attention block
+    "attn_per_layer": Route("attention_layers", _per_layer),
 }

@@ -8,6 +8,7 @@ the family's variants live in `family_keywords.py`, `Route` and the value conver
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -177,6 +178,17 @@ def _one(choices: tuple[Choice, ...], prefix: str, keywords: dict[str, str]) -> 
     return choices[0]
 
 
+def _onto(head: str, fields: dict[str, Any], switched: Any, keywords: dict[str, str]) -> Any:
+    """The options dataclass the switch keyword of `head` wrote, with the options given written onto it;
+    options given without the switch are refused by name."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(switched):
+        given = sorted({k for path, k in keywords.items() if path.startswith(f"{head}.")})
+        raise ValueError(f"{' / '.join(given)} need(s) {' or '.join(writing(head))}=True")
+    return dataclasses.replace(switched, **fields)
+
+
 def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> LayersConfig:
     keywords = keywords or {}
     groups: dict[str, dict[str, Any]] = {"attention": {}, "ff": {}, "": {}}
@@ -189,9 +201,11 @@ def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> La
             continue
         head, _, tail = path.partition(".")
         if tail:
-            groups[head][tail] = value
+            groups.setdefault(head, {})[tail] = value
         else:
             groups[""][head] = value
+    for head in groups.keys() - {"attention", "ff", ""}:     # a stack option's own dataclass (act.threshold)
+        groups[""][head] = _onto(head, groups[head], groups[""].get(head), keywords)
     made = {prefix: _choices(stage, prefix, chosen[prefix], keywords)
             for prefix, stage in CHOICE_STAGES.items() if chosen[prefix]}
     if "attention.pattern." in made:
@@ -200,11 +214,17 @@ def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> La
         groups["attention"]["kernel"] = _one(made["attention.kernel."], "attention.kernel.", keywords)
     if "mixer." in made:
         groups[""]["mixer"] = _one(made["mixer."], "mixer.", keywords)
-    return LayersConfig(
+    layers = groups[""].pop("attention_layers", None)     # attn_per_layer: each block's keywords (per_layer.py)
+    cfg = LayersConfig(
         attention=AttentionConfig(**groups["attention"]),
         ff=FeedForwardConfig(**groups["ff"]),
         **groups[""],
     )
+    if layers is not None:
+        from .per_layer import expand
+
+        cfg = dataclasses.replace(cfg, attention_layers=expand(layers, values, keywords))
+    return cfg
 
 
 def checked_keywords(init: Callable) -> Callable:

@@ -173,9 +173,12 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
     from .attention.kernels.direct import problems as kernel_problems
     from .deepnet import problems as deepnet_problems
+    from .hourglass import problems as hourglass_problems
     from .reversible import problems as reversible_problems
+    from .universal import problems as universal_problems
 
-    found = kernel_problems(cfg) + reversible_problems(cfg) + deepnet_problems(cfg)
+    found = kernel_problems(cfg) + reversible_problems(cfg) + deepnet_problems(cfg) + universal_problems(cfg)
+    found += hourglass_problems(cfg)
     if found:
         raise ValueError(f"{owner}: " + found[0])
     if cfg.attention.pattern:
@@ -189,3 +192,7 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
             found.append(f"{named} shape(s) self-attention; only_cross=True has none")
         if found:
             raise ValueError(f"{owner}: " + found[0])
+    if cfg.attention_layers is not None:     # attn_per_layer: each block's config by these rules (per_layer.py)
+        from .per_layer import check as per_layer_check
+
+        per_layer_check(cfg, owner)

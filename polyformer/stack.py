@@ -14,10 +14,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import checks, deepnet, reversible, rules
+from . import checks, deepnet, per_layer, reversible, rules, universal
 from .attention.attention import Attention
 from .config import LayersConfig
 from .feedforward import FeedForward
+from .hourglass import Hourglass
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
 from .losses import AuxLosses
@@ -148,7 +149,7 @@ class AttentionLayers(nn.Module):
             self.shared_bias = bias_cls(a.heads, cfg.causal, a.rel_pos_num_buckets, a.rel_pos_max_distance)
         else:
             self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
-        layout = cfg.layout
+        layout = universal.unit(cfg) if cfg.universal else cfg.layout   # universal: one shared unit
         shifts = cfg.shift_tokens if isinstance(cfg.shift_tokens, tuple) else (cfg.shift_tokens,) * len(layout)
         norm_cls = NORM[cfg.norm].build
 
@@ -164,7 +165,8 @@ class AttentionLayers(nn.Module):
                 branch = MIXER[cfg.mixer.name].build(cfg.dim, cfg, n_self)
                 n_self += 1
             else:
-                branch = Attention(cfg.dim, a, causal=cfg.causal, layer=n_self if kind == "a" else n_cross,
+                branch = Attention(cfg.dim, cfg.attention_of(n_self) if kind == "a" else a, causal=cfg.causal,
+                                   layer=n_self if kind == "a" else n_cross,
                                    cross=kind == "c",
                                    dim_context=cfg.dim_context, shared_bias=self.shared_bias,
                                    keep_scores=cfg.residual_attn if kind == "a" else cfg.cross_residual_attn)
@@ -178,10 +180,13 @@ class AttentionLayers(nn.Module):
                 post_norm=norm() if cfg.placement == "post" else None,
                 shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
+        per_layer.check_state(self, owner)      # attn_per_layer: one decode state for blocks of their own shapes
         # DeepNet: alpha into the residuals, the beta-scaled init of the blocks' weights (deepnet.py)
         self.deepnorm = deepnet.setup(self) if cfg.residual == "deepnorm" else None
-        self.window = self._decode_window()
-        self.num_self_attn = n_self
+        self.window = self._decode_window() if cfg.hourglass is None else None   # an hourglass state cannot slide
+        self.universal = universal.Universal(cfg, n_self) if cfg.universal else None
+        self.num_self_attn = n_self * (self.universal.steps if self.universal is not None else 1)
+        self.hourglass = Hourglass(self) if cfg.hourglass is not None else None   # a depth policy (hourglass.py)
         self.has_cross = "c" in layout
         final = cfg.placement in ("pre", "sandwich") and norm_cls is not None     # of out_dim features
         self.final_norm = norm_cls(self.out_dim, cfg.norm_eps) if final else None
@@ -190,10 +195,11 @@ class AttentionLayers(nn.Module):
         """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
         positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
         keeps just those (`window`, read by generation at every step). None otherwise."""
-        stages = [getattr(b.branch, "pattern", None) for b in self.blocks if b.kind == "a"]
+        stages = [getattr(b.branch, "pattern", None) or getattr(getattr(b.branch, "kernel", None), "decode_window", None)
+                  for b in self.blocks if b.kind == "a"]    # a direct kernel may declare one (adaptive span)
         if not stages or any(s is None or s.decode != "window" for s in stages):
             return None
-        return stages[0].sinks, stages[0].span
+        return max(s.sinks for s in stages), max(s.span for s in stages)    # blocks may differ (attn_per_layer)
 
     @staticmethod
     def next_positions(n: int, mems: list[Tensor] | None, state: DecodeState | None,
@@ -214,11 +220,14 @@ class AttentionLayers(nn.Module):
         if not self.causal:
             raise ValueError("a decode state needs a causal stack (a Decoder)")
         attention = [b.branch for b in self.blocks if b.kind == "a"]
-        kinds = tuple(a.decode_kind for a in attention)
+        kinds = tuple(a.decode_kind for a in attention) * (self.universal.steps if self.universal is not None else 1)
         first = next((a for a, kind in zip(attention, kinds) if kind == "keys"), None)
         # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
         heads = first.decode_dims if first is not None else (1, 1, 1, 1)
         param = next(self.parameters())
+        if self.hourglass is not None:      # a state per resolution (memory/hourglass_state.py)
+            return self.hourglass.new_state(self, batch, max_len, heads, dtype or param.dtype, device or param.device,
+                                            history)
         return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
                            device=device or param.device, kinds=kinds, history=history)
 
@@ -231,7 +240,7 @@ class AttentionLayers(nn.Module):
     @property
     def has_pos_emb(self) -> bool:
         """Whether the blocks carry positions themselves (rotary, infused, T5, ALiBi)."""
-        return self.cfg.attention.position != "none" or self.cfg.attention.bias != "none"
+        return any(a.position != "none" or a.bias != "none" for a in self.cfg.self_attention)
 
     @property
     def layout(self) -> tuple[str, ...]:
@@ -275,6 +284,10 @@ class AttentionLayers(nn.Module):
         blocks = self.blocks
         if self.cfg.reversible:         # a depth policy (reversible.py): the pairs run there, not below
             x, blocks = reversible.forward(self, x, ctx, record, keep), ()
+        if self.universal is not None:  # a depth policy (universal.py): the shared blocks run depth times there
+            x, blocks = self.universal(self, x, ctx, record, keep), ()
+        if self.hourglass is not None:  # a depth policy (hourglass.py): the blocks run at their resolutions there
+            x, blocks = self.hourglass(self, x, ctx, record, keep, prefix), ()
         for block in blocks:
             if keep:
                 record.hiddens.append(x)

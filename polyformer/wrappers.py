@@ -65,6 +65,8 @@ class SequenceWrapper(nn.Module):
         if max_mem_len and self.attn_layers.cfg.reversible:
             raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with reversible=True (the "
                              "backward recomputes the blocks' inputs; none is kept to be a memory)")
+        if max_mem_len and self.attn_layers.cfg.hourglass is not None:
+            raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with hourglass (several lengths)")
         self.pos_emb = absolute_positions(owner, dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb,
                                           self.attn_layers.cfg.attention.position == "infused",
                                           self.attn_layers.has_pos_emb, axial_pos_emb, axial_pos_emb_dims)

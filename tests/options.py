@@ -41,6 +41,10 @@ LAYER_OPTIONS: dict[str, dict] = {
     "gradient_checkpointing": dict(gradient_checkpointing=True),
     # DeepNet (deepnet.py): post-LN with alpha * x + f(x), beta-scaled init
     "deepnorm": dict(deepnorm=True),
+    # Universal Transformer (universal.py) and ACT (act.py): depth steps of one shared unit; ACT's halting mixes 1 and 2
+    "universal": dict(universal=True, ut_timestep_emb=True, shift_tokens=1, rotary_pos_emb=True),
+    "act": dict(universal=True, act=True, act_threshold=0.9, act_max_steps=3, ut_timestep_emb=True, shift_tokens=1,
+                attn_num_mem_kv=2),
     "emb_dim": dict(emb_dim=24),
     "tie_embedding": dict(tie_embedding=True),
     "combined": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
@@ -106,12 +110,27 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "reversible_routing": dict(reversible=True, attn_routing=True, attn_routing_clusters=2, attn_routing_window=4),
     # Hugging Face's Reformer as converted (interop/reformer.py): streams concatenated, local chunks, ReLU
     "reversible_concat": dict(reversible=True, reversible_merge="concat", attn_block_local=(4, 4), ff_relu=True),
+    # adaptive attention span (attention/kernels/adaptive_span.py): spans of 4 + a ramp of 2 < 12 tokens
+    "attn_adaptive_span": dict(attn_adaptive_span=8, attn_adaptive_span_ramp=2, attn_adaptive_span_init=0.5,
+                               rotary_pos_emb=True, attn_num_mem_kv=2, attn_kv_heads=2),
+    # Hourglass (hourglass.py): one layer before the shortening by 3, one on it; nested 2 x 2, mean pool, repeat
+    "hourglass": dict(hourglass=3, hourglass_depths=(1, 1, 0), rotary_pos_emb=True, shift_tokens=1,
+                      num_memory_tokens=2),
+    "hourglass_nested": dict(hourglass=(2, 2), hourglass_depths=(1, 0, 1, 0, 0), hourglass_pool="average",
+                             hourglass_upsample="repeat", alibi_pos_emb=True, attn_kv_heads=2),
+    # per-layer attention options (per_layer.py): a window block and a Performer block (keys + a recurrent
+    # summary in one decode state); the Reformer's mix of local and LSH blocks (LSH per bucket: it decodes)
+    "per_layer_mixed": dict(rotary_pos_emb=True, attn_per_layer=[
+        dict(attn_window=4), dict(attn_performer=True, attn_performer_features=16, attn_performer_chunk=4)]),
+    "per_layer_local_lsh": dict(attn_per_layer=[
+        dict(attn_block_local=(4, 4)), dict(attn_lsh=True, attn_shared_qk=True, attn_lsh_bucket_size=4,
+                                            attn_lsh_n_hashes=2, attn_lsh_n_buckets=4)]),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
 KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom", "attn_sinkhorn_sortcut",
                                  "attn_lsh_global"}
-KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate"}
+KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate", "attn_adaptive_span"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
 DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}

@@ -27,7 +27,9 @@ from polyformer import (
 )
 from polyformer import config as config_mod
 from polyformer import rules
+from polyformer.act import ActOptions
 from polyformer.attention.kernels.dense import DenseKernel
+from polyformer.hourglass import HourglassOptions
 from polyformer.keywords import KEYWORDS, parse_layers
 
 SMALL = dict(dim=32, depth=2)
@@ -438,6 +440,8 @@ def test_keyword_table_routes_to_real_fields():
     cfg_fields = {f"attention.{k}" for k in AttentionConfig.__dataclass_fields__}
     cfg_fields |= {f"ff.{k}" for k in FeedForwardConfig.__dataclass_fields__}
     cfg_fields |= set(LayersConfig.__dataclass_fields__)
+    cfg_fields |= {f"act.{k}" for k in ActOptions.__dataclass_fields__}      # a stack option's own dataclass
+    cfg_fields |= {f"hourglass.{k}" for k in HourglassOptions.__dataclass_fields__}
     # a pattern piece's options: attention.pattern.<registry name>[.<field of its options class>]
     for piece, entry in registry.PATTERN.items():
         cfg_fields.add(f"attention.pattern.{piece}")

@@ -136,12 +136,28 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("routing", "Routing attention: q / k routed to 16 k-means clusters, 2 chunks of 64 keys of the own cluster",
             "arXiv:2003.05997", layers=dict(rotary_pos_emb=True, attn_routing=True, attn_routing_clusters=16,
                                             attn_routing_window=64), tasks=ATTENTION),
+    # --- depth policies (universal.py, act.py): the same parameters unshared are the "dense" row ---
+    Variant("universal", "Universal Transformer: one block's weights applied depth times, position + step sinusoids "
+            "added before every step", "arXiv:1807.03819",
+            layers=dict(rotary_pos_emb=True, universal=True, ut_timestep_emb=True), tasks=("mqar", "listops")),
+    Variant("act", "Universal Transformer with ACT per position: halting at 0.99, at most depth steps, ponder "
+            "cost 0.01 x mean(N + R)", "arXiv:1603.08983, 1807.03819",
+            layers=dict(rotary_pos_emb=True, universal=True, ut_timestep_emb=True, act=True),
+            tasks=("mqar", "listops")),
     # --- memories ----------------------------------------------------------------------------
     Variant("no_memory", "segments of 128 tokens, no memory of earlier segments", "arXiv:1901.02860",
             layers=dict(rotary_pos_emb=True), tasks=("long_text",)),
     Variant("xl", "Transformer-XL memory of the previous segment's hidden states (128 per layer)",
             "arXiv:1901.02860", layers=dict(rotary_pos_emb=True), wrapper=dict(max_mem_len=128),
             tasks=("long_text",), causal_only=True),
+    # --- adaptive computation ----------------------------------------------------------------
+    Variant("adaptive_span", "adaptive attention span: a learned soft span per head, up to 224 + ramp 32 keys "
+            "(the XL memory of 128 and the segment)", "arXiv:1905.07799",
+            layers=dict(rotary_pos_emb=True, attn_adaptive_span=224, attn_adaptive_span_ramp=32),
+            wrapper=dict(max_mem_len=128), tasks=("long_text",), causal_only=True),
+    Variant("hourglass", "Hourglass: the middle layers on the sequence shortened 3x (shift by 2, linear pooling), "
+            "linear upsampling plus the residual; depth split evenly (4: 1@1, 2@3, 1@1)", "arXiv:2110.13711",
+            layers=dict(rotary_pos_emb=True, hourglass=3), tasks=("long_text",)),
 ]}
 
 

@@ -116,10 +116,11 @@ class Attention(nn.Module):
         if ctx.prefix_span is not None:
             raise ValueError("prefix_len cannot combine with an attention pattern (attn_window, attn_sparse, ...)")
         nk, n = kv.k.shape[2] - kv.free, q.shape[2]
-        if "pattern" not in ctx.memo:   # the blocks of a kind share keys' positions in one forward
+        at = ("geometry", self.pattern.heads)   # the blocks of a kind share keys' positions in one forward
+        if at not in ctx.memo:
             flags = None if ctx.global_mask is None else F.pad(ctx.global_mask, (nk - n, 0), value=False)
-            ctx.memo["pattern"] = self.pattern.geometry(ctx.pos, kv.pos, kv.mask, flags)
-        geo = ctx.memo["pattern"]
+            ctx.memo[at] = self.pattern.geometry(ctx.pos, kv.pos, kv.mask, flags)
+        geo = ctx.memo[at]
         bias = self._bias[0] if self._bias else None
         if (geo.run and self.kernel.can_fuse and prev_scores is None and not ctx.need_weights
                 and not needs_reference(q, kv.k, kv.v)):

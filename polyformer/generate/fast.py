@@ -117,6 +117,10 @@ class FastStep:
         stack = net.attn_layers
         if stack.cfg.reversible:
             return "reversible layers (two residual streams, reversible.py)"
+        if stack.universal is not None:
+            return "universal=True (the shared blocks run once per step, universal.py)"
+        if stack.hourglass is not None:
+            return "hourglass (layers at several resolutions, hourglass.py)"
         if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):
             return "cross-attention"
         for block in stack.blocks:

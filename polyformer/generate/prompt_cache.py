@@ -121,6 +121,8 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
     net = _unwrap(net)
     if not isinstance(state, DecodeState):
         raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
+    if net.attn_layers.hourglass is not None:
+        raise ValueError("a prompt cache keeps keys at one resolution; an hourglass stack (hourglass=...) has several")
     prompt = checks.token_ids(prompt, net.num_tokens, "prompt")
     if state.pending:
         raise ValueError("state has a step under way (pending positions): save it between steps")

@@ -32,12 +32,15 @@ Hugging Face's model, measured on transformers 5.23 (modeling_reformer.py):
 - it pads every input longer than the smallest chunk to a multiple of the lcm of the chunk lengths
   (masked), and the global sort's first chunk of each round reads the last chunk of the round before,
   so outputs depend on the padded length. For one kind of layer the lcm is that chunk length, which is
-  what the LSH kernel pads to: equal at every length.
-Refused (by the config field): attn_layers mixing "local" and "lsh" (the published checkpoints do;
-polyformer has one attention kernel per stack), num_buckets None (Hugging Face picks it from the first
-input's length and keeps it) or factorised, chunks after the query's, is_decoder False, tied embeddings.
-The global sort cannot decode with a state (the sort moves with every new token): a converted "lsh"
-model generates with cache_kv=False; a "local" one decodes with a state like any Decoder.
+  what the LSH kernel pads to: equal at every length. A mix of "local" and "lsh" layers (as the published
+  checkpoints are) converts with each layer's attention its own (attn_per_layer, per_layer.py) when
+  local_attn_chunk_length divides lsh_attn_chunk_length: the lcm is then the LSH chunk length again.
+Refused (by the config field): a mix whose local_attn_chunk_length does not divide lsh_attn_chunk_length
+(Hugging Face would pad the LSH layers' sort to the lcm, ours to the LSH chunk: other logits at most
+lengths), num_buckets None (Hugging Face picks it from the first input's length and keeps it) or
+factorised, chunks after the query's, is_decoder False, tied embeddings.
+The global sort cannot decode with a state (the sort moves with every new token): a converted model with
+"lsh" layers generates with cache_kv=False; an all-"local" one decodes with a state like any Decoder.
 """
 
 from __future__ import annotations
@@ -67,15 +70,20 @@ def _positive(c: dict[str, Any], key: str) -> int:
     return value
 
 
-def kind(c: dict[str, Any]) -> str:
-    """The one attention kind of every layer ("local" or "lsh"); `Unsupported` for a mix or another name."""
+def kinds(c: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind ("local" or "lsh"); `Unsupported` for another name, or for a mix whose
+    local chunk length does not divide the LSH chunk length (see the module's docstring)."""
     kinds = list(c["attn_layers"] or [])
     if not kinds or any(k not in ("local", "lsh") for k in kinds):
         raise Unsupported(f"reformer: attn_layers must name 'local' or 'lsh' layers, got {c['attn_layers']!r}")
     if len(set(kinds)) > 1:
-        raise Unsupported(f"reformer: attn_layers={kinds!r} mixes 'local' and 'lsh' layers; polyformer chooses one "
-                          "attention kernel per stack: only all-'local' or all-'lsh' models convert")
-    return kinds[0]
+        local, lsh = _positive(c, "local_attn_chunk_length"), _positive(c, "lsh_attn_chunk_length")
+        if lsh % local:
+            raise Unsupported(f"reformer: attn_layers={kinds!r} mixes 'local' and 'lsh' layers with "
+                              f"local_attn_chunk_length={local} not dividing lsh_attn_chunk_length={lsh}: Hugging Face "
+                              f"pads the sequence to a multiple of their lcm ({math.lcm(local, lsh)}), which moves the "
+                              "LSH layers' global sort; polyformer's pads to the LSH chunk length")
+    return kinds
 
 
 def buckets(c: dict[str, Any]) -> int:
@@ -94,8 +102,17 @@ def buckets(c: dict[str, Any]) -> int:
 
 
 def attention_keywords(c: dict[str, Any]) -> dict[str, Any]:
-    """The stack keywords of the layers' attention kind."""
-    if kind(c) == "local":
+    """The stack keywords of the layers' attention: one kind's on the stack, a mix's per layer (attn_per_layer)."""
+    layers = kinds(c)
+    if len(set(layers)) == 1:
+        return kind_keywords(c, layers[0])
+    each = {k: kind_keywords(c, k) for k in set(layers)}
+    return {"attn_per_layer": [each[k] for k in layers]}
+
+
+def kind_keywords(c: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The attention keywords of one kind of layer."""
+    if kind == "local":
         chunk = _positive(c, "local_attn_chunk_length")
         if c["local_num_chunks_after"] != 0:
             raise Unsupported(f"reformer: local_num_chunks_after={c['local_num_chunks_after']!r} is not supported "
@@ -154,16 +171,16 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
 
 def links(c: dict[str, Any]) -> list[Link]:
     inner = c["num_attention_heads"] * c["attention_head_size"]
-    projections = ("query", "key", "value") if kind(c) == "local" else ("query_key", "value")
+    projections = {"local": ("query", "key", "value"), "lsh": ("query_key", "value")}
     if c["axial_pos_embds"]:
         positions = [Link(f"pos_emb.weights.{i}", (f"embeddings.position_embeddings.weights.{i}",)) for i in (0, 1)]
     else:
         positions = [Link("pos_emb.emb.weight", ("embeddings.position_embeddings.embedding.weight",))]
     out = [Link("token_emb.weight", ("embeddings.word_embeddings.weight",)), *positions]
-    for a, f, h in layer_names(len(c["attn_layers"]), "encoder.layers"):
+    for (a, f, h), kind in zip(layer_names(len(c["attn_layers"]), "encoder.layers"), kinds(c)):
         out += [Link(f"{a}.branch.project.to_qkv.weight",
-                     tuple(f"{h}.attention.self_attention.{p}.weight" for p in projections),
-                     sizes=(inner,) * len(projections)),
+                     tuple(f"{h}.attention.self_attention.{p}.weight" for p in projections[kind]),
+                     sizes=(inner,) * len(projections[kind])),
                 Link(f"{a}.branch.output.proj.weight", (f"{h}.attention.output.dense.weight",))]
         for t in ("weight", "bias"):
             out += [Link(f"{a}.norm_in.{t}", (f"{h}.attention.layer_norm.{t}",)),
@@ -191,16 +208,18 @@ def config_of(model: TransformerWrapper) -> dict[str, Any]:
     if out["axial_pos_embds"]:
         out.update(axial_pos_shape=list(model.pos_emb.shape),
                    axial_pos_embds_dim=[w.shape[-1] for w in model.pos_emb.weights])
-    options = a.kernel.options
-    if a.kernel.name == "lsh":
-        out.update(attn_layers=["lsh"] * c.depth, lsh_attn_chunk_length=options.bucket_size,
-                   num_hashes=options.n_hashes, num_buckets=options.n_buckets, hash_seed=options.seed)
-        return out
-    local = next((p.options for p in a.pattern if p.name == "block_local"), None)
-    chunk = local.query_block if local is not None else DEFAULTS["local_attn_chunk_length"]
-    before = local.memory // chunk if local is not None else 1
-    return {**out, "attn_layers": ["local"] * c.depth, "local_attn_chunk_length": chunk,
-            "local_num_chunks_before": before}
+    layers = c.attention_layers if c.attention_layers is not None else (a,) * c.depth   # per layer: attn_per_layer
+    out["attn_layers"] = ["lsh" if layer.kernel.name == "lsh" else "local" for layer in layers]
+    lsh = next((layer.kernel.options for layer in layers if layer.kernel.name == "lsh"), None)
+    if lsh is not None:         # one set of LSH options for every "lsh" layer (differences names another)
+        out.update(lsh_attn_chunk_length=lsh.bucket_size, num_hashes=lsh.n_hashes, num_buckets=lsh.n_buckets,
+                   hash_seed=lsh.seed)
+    if "local" in out["attn_layers"]:
+        local = next((p.options for layer in layers if layer.kernel.name != "lsh" for p in layer.pattern
+                      if p.name == "block_local"), None)
+        chunk = local.query_block if local is not None else DEFAULTS["local_attn_chunk_length"]
+        out.update(local_attn_chunk_length=chunk, local_num_chunks_before=local.memory // chunk if local else 1)
+    return out
 
 
 REFORMER = Family(

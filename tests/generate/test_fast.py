@@ -27,9 +27,9 @@ EXTRA = {
 }
 OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
-# the options the fast step leaves to the module path (heads built differently); every other option
-# set, including ones added later, must be covered
-NOT_COVERED = {"attn_collab_heads", "position_infused_attn"}
+# the options the fast step leaves to the module path (heads built differently; the universal stack's
+# shared blocks); every other option set, including ones added later, must be covered
+NOT_COVERED = {"attn_collab_heads", "position_infused_attn", "universal", "act"}
 COVERED = set(OPTIONS) - NOT_COVERED
 
 

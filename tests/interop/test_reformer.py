@@ -1,6 +1,7 @@
 """Reformer: logits equal Hugging Face's `ReformerModelWithLMHead` on random models of several shapes
-(only LSH layers, one and several hash rounds; only local layers, one and two chunks back; axial and
-learned positions; chunked feedforward), at lengths that are and are not multiples of the chunk
+(only LSH layers, one and several hash rounds; only local layers, one and two chunks back; local and LSH
+layers mixed, each converted with its own attention options (attn_per_layer); axial and learned
+positions; chunked feedforward), at lengths that are and are not multiples of the chunk
 length, with and without padding, with the same rotations (hash_seed); where they differ, the
 difference is pinned (Hugging Face's float32 rounding of its -1e5 self mask, its unused lm_head.bias,
 its reseeding of the global RNG); decoding, the way back (to_hf), refusals by the config field's name;
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 
 import pytest
@@ -35,6 +37,11 @@ SHAPES = {
     "local_one_chunk_back": dict(attn_layers=["local", "local"]),
     "local_two_chunks_back_chunked_ff": dict(attn_layers=["local", "local", "local"], local_num_chunks_before=2,
                                              local_attn_chunk_length=3, chunk_size_feed_forward=3),
+    # the published checkpoints' mix (Hugging Face pads to the lcm of the chunk lengths: here the LSH one)
+    "mixed_local_lsh": dict(attn_layers=["local", "lsh", "local", "lsh"], num_hashes=1),
+    "mixed_lsh_first_two_rounds_local_two_back": dict(attn_layers=["lsh", "local", "lsh"], num_hashes=2,
+                                                      local_attn_chunk_length=2, local_num_chunks_before=2,
+                                                      chunk_size_feed_forward=2, layer_norm_eps=1e-5),
 }
 LENGTHS = [3, 4, 11, 16, 23]        # within one chunk, and multiples of it or not (Hugging Face pads those inside)
 TOL = 1e-5
@@ -91,10 +98,17 @@ def padding(kind: str, n: int) -> torch.Tensor | None:
 
 def wraps(shape: str, n: int) -> bool:
     """Whether Hugging Face's local attention reads a chunk twice at length n: its look-back is cyclic, so
-    with 2 to local_num_chunks_before chunks (after its padding) a chunk's window wraps onto itself."""
+    with 2 to local_num_chunks_before chunks (after its padding to a multiple of the lcm of the chunk
+    lengths, for inputs longer than the shortest) a chunk's window wraps onto itself."""
     fields = {**BASE, **SHAPES[shape]}
-    chunks = -(-n // fields["local_attn_chunk_length"])
-    return fields["attn_layers"][0] == "local" and 1 < chunks <= fields.get("local_num_chunks_before", 1)
+    kinds = set(fields["attn_layers"])
+    if "local" not in kinds:
+        return False
+    lengths = [fields[f"{kind}_attn_chunk_length"] for kind in kinds]
+    lcm = math.lcm(*lengths)
+    padded = n if n <= min(lengths) or n % lcm == 0 else -(-n // lcm) * lcm
+    chunks = -(-padded // fields["local_attn_chunk_length"])
+    return 1 < chunks <= fields.get("local_num_chunks_before", 1)
 
 
 @pytest.mark.parametrize("padded", ["none", "right", "left"])
@@ -207,12 +221,12 @@ def test_local_models_decode_with_a_state_as_without(shape):
     assert (torch.cat(steps, 1) - full).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("shape", ["local_one_chunk_back", "lsh_one_round"])
+@pytest.mark.parametrize("shape", ["local_one_chunk_back", "lsh_one_round", "mixed_local_lsh"])
 def test_greedy_tokens_equal_hugging_face_generate(shape):
-    """A local model decodes with its state, as Hugging Face's cache; an LSH model (the global sort
-    moves with every token) without one, as Hugging Face's generate(use_cache=False)."""
+    """A local model decodes with its state, as Hugging Face's cache; a model with LSH layers (the global
+    sort moves with every token) without one, as Hugging Face's generate(use_cache=False)."""
     hf = reformer(shape)
-    lsh = shape.startswith("lsh")
+    lsh = "lsh" in hf.config.attn_layers
     model = AutoregressiveWrapper(from_hf(hf))
     prompts = ids(6)
     ours = model.generate(prompts, 10, temperature=0.0, cache_kv=not lsh)
@@ -224,8 +238,9 @@ def test_greedy_tokens_equal_hugging_face_generate(shape):
     assert len(set(ours.flatten().tolist())) > 3
 
 
-def test_an_lsh_model_refuses_a_decode_state_by_name():
-    model = from_hf(reformer("lsh_one_round"))
+@pytest.mark.parametrize("shape", ["lsh_one_round", "mixed_local_lsh"])
+def test_an_lsh_model_refuses_a_decode_state_by_name(shape):
+    model = from_hf(reformer(shape))
     state = model.new_state(3, 8)
     with torch.no_grad():
         model(ids(5), state=state)
@@ -239,8 +254,9 @@ def test_to_hf_gives_the_same_model_back(shape):
     model = from_hf(hf)
     back = to_hf(model)
     assert type(back) is type(hf)
-    kind = ("num_hashes", "num_buckets", "hash_seed", "lsh_attn_chunk_length") if shape.startswith("lsh") else (
-        "local_attn_chunk_length", "local_num_chunks_before")
+    kinds = hf.config.attn_layers
+    kind = (("num_hashes", "num_buckets", "hash_seed", "lsh_attn_chunk_length") if "lsh" in kinds else ()) + (
+        ("local_attn_chunk_length", "local_num_chunks_before") if "local" in kinds else ())
     axial = ("axial_pos_shape", "axial_pos_embds_dim") if hf.config.axial_pos_embds else ()
     for key in ("attn_layers", "axial_pos_embds", "hidden_act", "max_position_embeddings", "chunk_size_feed_forward",
                 "layer_norm_eps", *kind, *axial):
@@ -259,7 +275,7 @@ def test_to_hf_gives_the_same_model_back(shape):
 def saved(tmp_path_factory):
     """A Hugging Face model directory (config.json, model.safetensors) of a local and an LSH model."""
     out = {}
-    for shape in ("lsh_one_round", "local_one_chunk_back"):
+    for shape in ("lsh_one_round", "local_one_chunk_back", "mixed_local_lsh"):
         path = tmp_path_factory.mktemp(shape)
         reformer(shape).save_pretrained(path)
         out[shape] = path
@@ -267,12 +283,14 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("attn_layers", ["local", "lsh"]), ("num_buckets", None), ("num_buckets", [2, 2]), ("lsh_num_chunks_before", 2),
+    ("attn_layers", ["local", "full"]), ("local_attn_chunk_length", 3), ("num_buckets", None), ("num_buckets", [2, 2]),
+    ("lsh_num_chunks_before", 2),
     ("local_num_chunks_after", 1), ("is_decoder", False), ("tie_word_embeddings", True), ("hidden_act", "tanh"),
     ("axial_pos_shape", [2, 4, 4]),
 ], ids=lambda v: str(v).replace(" ", ""))
 def test_what_polyformer_cannot_express_is_refused_by_the_config_field(saved, tmp_path, field, value):
-    shape = "local_one_chunk_back" if field == "local_num_chunks_after" else "lsh_one_round"
+    shape = {"local_num_chunks_after": "local_one_chunk_back", "local_attn_chunk_length": "mixed_local_lsh"}.get(
+        field, "lsh_one_round")
     config = json.loads((saved[shape] / "config.json").read_text())
     config[field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -2,6 +2,7 @@
 AttnOut) and the kernels of form "direct" that compute attention without the score matrix, each a
 small module of its own, listed here by name (the registry reads this table)."""
 
+from .adaptive_span import AdaptiveSpan
 from .aft import Aft
 from .linear import KERNELS as _KERNEL_METHODS
 from .linformer import Linformer
@@ -15,3 +16,4 @@ DIRECT_KERNELS["aft"] = Aft
 DIRECT_KERNELS["sinkhorn"] = Sinkhorn
 DIRECT_KERNELS["lsh"] = Lsh
 DIRECT_KERNELS["routing"] = Routing
+DIRECT_KERNELS["adaptive_span"] = AdaptiveSpan

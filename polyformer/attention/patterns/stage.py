@@ -89,7 +89,8 @@ class PatternStage:
         self.mixture = any(getattr(p, "mixture", False) for p in self.pieces)
         self.heads = heads
         self.causal = causal
-        self.layer_key = layer if {"random", "sparse_transformer"} & set(named) else None
+        # blocks of one pattern share its block-sparse parts in a forward (per-layer patterns differ: attn_per_layer)
+        self.layer_key = (repr(choices), heads, layer if {"random", "sparse_transformer"} & set(named) else None)
         window = [p for p in self.pieces if isinstance(p, Window)]
         self.sinks = next((p.tokens for p in self.pieces if isinstance(p, Sinks)), 0)
         self.span = window[0].span() if window else None
