@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from .interfaces import Context
 from .memory.hourglass_state import HourglassState, LevelView, alignment, at, least, most, storage
@@ -230,10 +229,10 @@ class Hourglass(nn.Module):
         lv = self.levels[i]
         local = ctx if ctx.state is None else replace(ctx, state=LevelView(ctx.state, self.layers[i]))
         prev: dict[str, Tensor | None] = {"a": None, "c": None}     # residual scores stay at their resolution
-        x = run(stack, lv.pre, x, local, record, keep, prev)
+        x = stack.run_blocks([stack.blocks[j] for j in lv.pre], x, local, record, keep, prev)
         if lv.factor is not None:
             x = x + self.shortened(stack, i, x, ctx, record, keep, prefix)
-        return run(stack, lv.post, x, local, record, keep, prev)
+        return stack.run_blocks([stack.blocks[j] for j in lv.post], x, local, record, keep, prev)
 
     def shortened(self, stack: "AttentionLayers", i: int, x: Tensor, ctx: Context, record: "Intermediates",
                   keep: bool, prefix: int) -> Tensor:
@@ -301,23 +300,3 @@ class Hourglass(nn.Module):
         """Rows of up (b, m, dim) at where (b|1, n) -> (b, n, dim)."""
         b = up.shape[0]
         return up[torch.arange(b, device=up.device)[:, None], where.expand(b, -1)]
-
-
-def run(stack: "AttentionLayers", blocks: tuple[int, ...], x: Tensor, ctx: Context, record: "Intermediates",
-        keep: bool, prev: dict[str, Tensor | None]) -> Tensor:
-    """The stack's blocks `blocks` on x, as the stack runs them."""
-    for index in blocks:
-        block = stack.blocks[index]
-        if keep:
-            record.hiddens.append(x)
-        if stack.cfg.gradient_checkpointing and stack.training and torch.is_grad_enabled():
-            x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
-        else:
-            x, attn, h = block(x, ctx, prev.get(block.kind))
-        if attn is not None:
-            prev[block.kind] = attn.scores
-            if attn.weights is not None:
-                record.attn.append(attn.weights)
-        if keep and block.kind == "a":
-            record.mems.append(h)
-    return x

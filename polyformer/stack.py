@@ -246,6 +246,26 @@ class AttentionLayers(nn.Module):
     def layout(self) -> tuple[str, ...]:
         return self.cfg.layout
 
+    def run_blocks(self, blocks: Any, x: Tensor, ctx: Context, record: Intermediates, keep: bool,
+                   prev: dict[str, Tensor | None]) -> Tensor:
+        """`blocks` (this stack's `Block`s) on x in order, as every depth policy runs them: checkpointed in
+        training when asked; with `keep`, each block's input (and a self-attention block's normalised
+        input) in `record`; `prev` carries each kind's scores to the next block (residual attention)."""
+        for block in blocks:
+            if keep:
+                record.hiddens.append(x)
+            if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
+            else:
+                x, attn, h = block(x, ctx, prev.get(block.kind))
+            if attn is not None:
+                prev[block.kind] = attn.scores
+                if attn.weights is not None:
+                    record.attn.append(attn.weights)
+            if keep and block.kind == "a":
+                record.mems.append(h)
+        return x
+
     def forward(self, x: Tensor, mask: Tensor | None = None, context: Tensor | None = None,
                 context_mask: Tensor | None = None, mems: list[Tensor] | None = None,
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
@@ -288,19 +308,7 @@ class AttentionLayers(nn.Module):
             x, blocks = self.universal(self, x, ctx, record, keep), ()
         if self.hourglass is not None:  # a depth policy (hourglass.py): the blocks run at their resolutions there
             x, blocks = self.hourglass(self, x, ctx, record, keep, prefix), ()
-        for block in blocks:
-            if keep:
-                record.hiddens.append(x)
-            if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
-            else:
-                x, attn, h = block(x, ctx, prev.get(block.kind))
-            if attn is not None:
-                prev[block.kind] = attn.scores
-                if attn.weights is not None:
-                    record.attn.append(attn.weights)
-            if keep and block.kind == "a":
-                record.mems.append(h)
+        x = self.run_blocks(blocks, x, ctx, record, keep, prev)
         if keep:
             record.hiddens.append(x)
         if state is not None:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from . import act
 from .interfaces import KV, Context
@@ -111,21 +110,7 @@ class Universal(nn.Module):
         """Application t (from 0) of the unit to x (b, n, dim)."""
         if self.timestep:
             x = x + coordinate_embedding(ctx.pos, t + 1, x.shape[-1]).to(x.dtype)
-        local = self.at_step(ctx, t, len(stack.blocks))
-        for block in stack.blocks:
-            if keep:
-                record.hiddens.append(x)
-            if stack.cfg.gradient_checkpointing and stack.training and torch.is_grad_enabled():
-                x, attn, h = checkpoint(block, x, local, prev.get(block.kind), use_reentrant=False)
-            else:
-                x, attn, h = block(x, local, prev.get(block.kind))
-            if attn is not None:
-                prev[block.kind] = attn.scores
-                if attn.weights is not None:
-                    record.attn.append(attn.weights)
-            if keep and block.kind == "a":
-                record.mems.append(h)
-        return x
+        return stack.run_blocks(stack.blocks, x, self.at_step(ctx, t, len(stack.blocks)), record, keep, prev)
 
     def at_step(self, ctx: Context, t: int, blocks: int) -> Context:
         """The context of application t: its layers of the decode state, its XL memories."""
