@@ -16,18 +16,18 @@ feedforward) dominates. --quick: n 1024, spans 256 / 64, one round, output under
 
 from __future__ import annotations
 
-import argparse
-import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from polyformer import Decoder
 from polyformer.attention.kernels.adaptive_span import AdaptiveSpan
 
-from .common import Competitor, environment, log, markdown_table, quiet_rounds, set_threads, spread, write_report
+from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
+                     spread, started)
 from .features import peak_step_bytes
+from .reversible import training_step
 
 DIM, HEADS, DIM_HEAD, DEPTH, SEQ, MAX_SPAN, RAMP, SPANS = 256, 4, 64, 2, 4096, 2048, 32, (1024, 256, 64)
 
@@ -44,17 +44,6 @@ def build(span: int | None) -> torch.nn.Module:
     return model
 
 
-def training_step(model: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        x.grad = None
-        model(x).backward(grad)
-
-    return run
-
-
 def measure(seq: int, spans: tuple[int, ...], repeats: int, warmup: int, max_wait: float) -> dict[str, Any]:
     x = torch.randn(1, seq, DIM, generator=torch.Generator().manual_seed(0)).requires_grad_()
     grad = torch.randn(1, seq, DIM, generator=torch.Generator().manual_seed(1))
@@ -63,7 +52,7 @@ def measure(seq: int, spans: tuple[int, ...], repeats: int, warmup: int, max_wai
     for span in (*spans, None):
         label = "dense causal" if span is None else f"adaptive span {span}"
         model = build(span)
-        step = training_step(model, x, grad)
+        step = training_step(model, x, grad, keep_grads=True)
         step()                                                           # gradients exist from here on
         kernel = next((m for m in model.modules() if isinstance(m, AdaptiveSpan)), None)
         rows[label] = {"span": span, "keys_back": kernel.reach() if kernel is not None else seq,
@@ -99,23 +88,12 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-wait", type=float, default=30.0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    set_threads(args.threads)
+    args = started(one_shot_parser("python -m benchmarks.adaptive_span", __doc__.split("\n\n")[0]), argv)
     seq, spans, repeats, warmup = (1024, (256, 64), 1, 0) if args.quick else (SEQ, SPANS, args.repeats, 1)
     out_dir = args.out_dir or (Path("/tmp/adaptive_span") if args.quick else Path("docs/adaptive_span"))
     rows = measure(seq, spans, repeats, warmup, args.max_wait)
     record = {"seq": seq, "rows": rows, "environment": environment(["torch"])}
-    text = markdown(record)
-    write_report(out_dir / "adaptive_span.json", record, text)
-    print(text)
-    return 0
+    return finish_report(out_dir / "adaptive_span.json", record, markdown)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Timing helpers shared by the benchmarks: thread setup, warmup, alternating rounds across
-competitors (undisturbed ones only, on a shared machine), medians, plots, and a writer for the JSON
-record and its markdown twin.
+"""Timing helpers shared by the benchmarks: the command line's setup (threads, a memory cap), warmup,
+alternating rounds across competitors (undisturbed ones only, on a shared machine), medians, plots,
+and a writer for the JSON record and its markdown twin (a resumable record measured point by point).
 
 Benchmarks are run by hand (`python -m benchmarks.<name>`), never as timed tests: wall-clock
 numbers depend on the machine and its load, so the record keeps the environment next to them.
@@ -8,18 +8,21 @@ numbers depend on the machine and its load, so the record keeps the environment 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -33,6 +36,47 @@ def set_threads(n: int) -> None:
         torch.set_num_interop_threads(n)
     except RuntimeError:          # only settable before the first parallel work of the process
         pass
+
+
+def cap_memory(gib: float) -> None:
+    """Cap the address space, so an allocation past it raises (and is reported) rather than the OOM killer
+    ending the run; 0: no cap."""
+    if gib > 0:
+        limit = int(gib * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def default_mem_limit() -> float:
+    """Three quarters of the memory available now, at most 32 GiB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return min(32.0, 0.75 * int(line.split()[1]) / 2 ** 20)
+    except OSError:
+        pass
+    return 16.0
+
+
+def one_shot_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark measured in one go into its report: --quick, --repeats,
+    --max-wait (for quiet, `quiet_rounds`), --threads, --out-dir."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-wait", type=float, default=30.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    return parser
+
+
+def started(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A benchmark's arguments (its parser has --threads, maybe --mem-limit), with warnings silenced, the
+    threads set and the address space capped."""
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    set_threads(args.threads)
+    cap_memory(getattr(args, "mem_limit", 0.0))
+    return args
 
 
 @dataclass
@@ -264,6 +308,24 @@ def save_point(json_path: str | Path, record: dict[str, Any], key: str, env: dic
     record["points"][key]["measured"] = {k: record["environment"][k] for k in ("date", "polyformer_commit")}
     write_report(json_path, record, markdown(record))
     log(f"{key}: saved to {json_path}")
+
+
+def measure_points(json_path: str | Path, points: Iterable[tuple[str, Callable[[], dict[str, Any]]]], *,
+                   redo: bool, repeats: int, env: dict[str, Any], markdown: Callable[[dict[str, Any]], str],
+                   kept: Callable[[dict[str, Any]], bool] = lambda point: True, **extra: Any) -> int:
+    """A resumable record at json_path: measure each (key, measure) point not there yet (or every one,
+    with redo; a recorded point stays while `kept` says so), saving after each, then `finish_report`."""
+    json_path = Path(json_path)
+    record = json.loads(json_path.read_text()) if json_path.exists() else {"points": {}}
+    for key, measure in points:
+        point = record["points"].get(key)
+        if not redo and point is not None and kept(point):
+            log(f"{key}: in the record already (--redo to measure again)")
+            continue
+        log(f"{key}: measuring ({repeats} rounds)")
+        record["points"][key] = measure()
+        save_point(json_path, record, key, env, markdown, **extra)
+    return finish_report(json_path, record, markdown)
 
 
 def finish_report(json_path: str | Path, record: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> int:

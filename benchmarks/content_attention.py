@@ -19,24 +19,25 @@ later run skips points already there unless --redo. --quick: n 1024, 1 round, ou
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-from .common import environment, finish_report, log, markdown_table, save_point, set_threads
+from .common import default_mem_limit, environment, markdown_table, measure_points, started
 from .content_competitors import CHUNK, FAMILIES, HASHES, dense
-from .linear_attention import block_point, cap_memory, default_mem_limit
+from .linear_attention import block_point
 
 LENGTHS = (1024, 4096, 16384)
 PACKAGES = ["torch", "reformer-pytorch", "transformers", "routing-transformer", "sinkhorn-transformer"]
 
 
 def measure(family: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The record's point (family, n)."""
     fam = next(f for f in FAMILIES if f.name == family)
     cs, missing = fam.contenders(n)
-    return {**block_point([dense(), *cs], n, args), "skipped": missing}
+    return {"family": family, "n": n, **block_point([dense(), *cs], n, args), "skipped": missing,
+            "repeats": args.repeats}
 
 
 def median(c: dict[str, Any], part: str) -> float | None:
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mem-limit", type=float, default=default_mem_limit(), help="GiB of address space (0: none)")
     parser.add_argument("--redo", action="store_true", help="re-measure points already in the record")
     parser.add_argument("--out-dir", help="default docs/content_attention (quick: /tmp/content_attention_quick)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    set_threads(args.threads)
-    cap_memory(args.mem_limit)
+    args = started(parser, argv)
     families = args.families.split(",") if args.families else [f.name for f in FAMILIES]
     lengths = [int(v) for v in args.lengths.split(",")] if args.lengths else ([1024] if args.quick else list(LENGTHS))
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -101,19 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = 0 if args.quick else 1
     args.max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 60.0)
     out_dir = Path(args.out_dir or ("/tmp/content_attention_quick" if args.quick else "docs/content_attention"))
-    json_path = out_dir / "content_attention.json"
-    record = json.loads(json_path.read_text()) if json_path.exists() else {"points": {}}
-    env = environment(PACKAGES)
-    for family in families:
-        for n in lengths:
-            key = f"{family}@{n}"
-            if not args.redo and key in record["points"]:
-                log(f"{key}: in the record already (--redo to measure again)")
-                continue
-            log(f"{key}: measuring ({args.repeats} rounds)")
-            record["points"][key] = {"family": family, "n": n, **measure(family, n, args), "repeats": args.repeats}
-            save_point(json_path, record, key, env, markdown, mem_limit_gib=args.mem_limit)
-    return finish_report(json_path, record, markdown)
+    points = [(f"{family}@{n}", functools.partial(measure, family, n, args)) for family in families for n in lengths]
+    return measure_points(out_dir / "content_attention.json", points, redo=args.redo, repeats=args.repeats,
+                          env=environment(PACKAGES), markdown=markdown, mem_limit_gib=args.mem_limit)
 
 
 if __name__ == "__main__":

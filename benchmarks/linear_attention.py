@@ -42,17 +42,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import resource
 import statistics
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .common import Competitor, environment, finish_report, log, quiet_rounds, save_point, set_threads, spread
+from .common import (Competitor, default_mem_limit, environment, log, measure_points, quiet_rounds, spread,
+                     started)
 from .features import peak_step_bytes
 from .linear_competitors import FEATURES, RFA_FEATURES, VERSUS, available, dense, versus
 from .linear_report import markdown
@@ -189,29 +187,6 @@ def decode_point(models: dict[str, torch.nn.Module], ctx: int, args: argparse.Na
 
 # --- command line ---------------------------------------------------------------------------------
 
-def load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {"points": {}}
-
-
-def cap_memory(gib: float) -> None:
-    """Cap the address space, so an allocation past it raises (and is reported) rather than the OOM killer
-    ending the run; 0: no cap."""
-    if gib > 0:
-        limit = int(gib * 2 ** 30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-
-
-def default_mem_limit() -> float:
-    """Three quarters of the memory available now, at most 32 GiB."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return min(32.0, 0.75 * int(line.split()[1]) / 2 ** 20)
-    except OSError:
-        pass
-    return 16.0
-
-
 def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]]:
     """(key, fields, measure) of every point the run covers, in order."""
     out: list[tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]] = []
@@ -245,10 +220,8 @@ def versus_point(which: str, n: int, args: argparse.Namespace) -> dict[str, Any]
     return block_point(cs, n, args)
 
 
-def up_to_date(point: dict[str, Any] | None) -> bool:
+def up_to_date(point: dict[str, Any]) -> bool:
     """A recorded point stays unless a mixer has landed since (scaling) or it was skipped (versus)."""
-    if point is None:
-        return False
     if point["section"] == "scaling":
         ready, _ = available()
         wanted = {f"polyformer {m.name}" for m in ready if m.causal() == (point["group"] == "causal")}
@@ -273,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GiB of address space for the process (default 3/4 of available, <= 32; 0: none)")
     parser.add_argument("--redo", action="store_true", help="re-measure points already in the record")
     parser.add_argument("--out-dir", help="default docs/linear_attention (quick: /tmp/linear_attention_quick)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    set_threads(args.threads)
-    cap_memory(args.mem_limit)
+    args = started(parser, argv)
 
     def ints(text: str | None, default: tuple[int, ...]) -> list[int]:
         return [int(v) for v in text.split(",")] if text else list(default)
@@ -292,17 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     args.max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 120.0)
     out_dir = Path(args.out_dir or ("/tmp/linear_attention_quick" if args.quick else "docs/linear_attention"))
-    json_path = out_dir / "linear_attention.json"
-    record = load(json_path)
-    env = environment(PACKAGES)
-    for key, fields, measure in plan(args):
-        if not args.redo and up_to_date(record["points"].get(key)):
-            log(f"{key}: in the record already (--redo to measure again)")
-            continue
-        log(f"{key}: measuring ({args.repeats} rounds)")
-        record["points"][key] = {**fields, **measure(), "repeats": args.repeats}
-        save_point(json_path, record, key, env, markdown, mem_limit_gib=args.mem_limit)
-    return finish_report(json_path, record, markdown)
+    points = [(key, lambda fields=fields, measure=measure: {**fields, **measure(), "repeats": args.repeats})
+              for key, fields, measure in plan(args)]
+    return measure_points(out_dir / "linear_attention.json", points, redo=args.redo, repeats=args.repeats,
+                          env=environment(PACKAGES), markdown=markdown, kept=up_to_date,
+                          mem_limit_gib=args.mem_limit)
 
 
 if __name__ == "__main__":

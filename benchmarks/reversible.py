@@ -20,8 +20,6 @@ the ordinary stack about 6x; the recomputation costs time (about 1.5-2x the ordi
 
 from __future__ import annotations
 
-import argparse
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +27,8 @@ import torch
 
 from polyformer import Decoder
 
-from .common import Competitor, environment, log, markdown_table, quiet_rounds, set_threads, spread, write_report
+from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
+                     spread, started)
 from .features import peak_step_bytes
 
 DIM, HEADS, DIM_HEAD, SEQ, DEPTHS = 256, 4, 64, 1024, (2, 12)
@@ -124,23 +123,12 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-wait", type=float, default=30.0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    set_threads(args.threads)
+    args = started(one_shot_parser("python -m benchmarks.reversible", __doc__.split("\n\n")[0]), argv)
     seq, repeats, warmup = (256, 1, 0) if args.quick else (SEQ, args.repeats, 1)
     out_dir = args.out_dir or (Path("/tmp/reversible") if args.quick else Path("docs/reversible"))
     rows = measure(seq, repeats, warmup, args.max_wait)
     record = {"seq": seq, "rows": rows, "ratios": ratios(rows), "environment": environment(["torch"])}
-    text = markdown(record)
-    write_report(out_dir / "reversible.json", record, text)
-    print(text)
-    return 0
+    return finish_report(out_dir / "reversible.json", record, markdown)
 
 
 if __name__ == "__main__":

@@ -39,18 +39,17 @@ extended with more lengths. --quick: n 1024 and 2048, 2 repeats, output under /t
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import statistics
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from .common import (Competitor, environment, finish_report, log, markdown_table, quiet_rounds, save_point,
-                     set_threads, spread)
+from .common import (Competitor, environment, log, markdown_table, measure_points, quiet_rounds, spread,
+                     started)
 from .features import peak_step_bytes
 from .sparse_competitors import (BIGBIRD_NOTE, BLOCK, LOCAL_NOTE, WINDOW, Contender, dense_vs_window, hf,
                                  kernel_path, local_attention)
@@ -289,12 +288,6 @@ def selected(only: str | None) -> list[str]:
     return [c for c in COMPARISONS if c in out]
 
 
-def load(path: Path) -> dict[str, Any]:
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"points": {}}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sparse_patterns", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="n 1024 and 2048, 2 repeats, output under /tmp")
@@ -310,30 +303,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out local-attention with its rotary embedding")
     parser.add_argument("--redo", action="store_true", help="re-measure points already in the record")
     parser.add_argument("--out-dir", help="default docs/sparse_patterns (quick: /tmp/sparse_patterns_quick)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    set_threads(args.threads)
+    args = started(parser, argv)
     lengths = ([int(v) for v in args.lengths.split(",")] if args.lengths
                else list(QUICK_LENGTHS if args.quick else LENGTHS))
     repeats = args.repeats or (2 if args.quick else 5)
     out_dir = Path(args.out_dir or ("/tmp/sparse_patterns_quick" if args.quick else "docs/sparse_patterns"))
-    json_path = out_dir / "sparse_patterns.json"
-    record = load(json_path)
-    env = environment(PACKAGES)                    # the code this process runs: taken before it measures
+    points = []
     for comparison in selected(args.only):
         for n in lengths:
-            key = f"{comparison}@{n}"
             if n % MULTIPLE[comparison]:
-                log(f"{key}: skipped, n must be a multiple of {MULTIPLE[comparison]}")
+                log(f"{comparison}@{n}: skipped, n must be a multiple of {MULTIPLE[comparison]}")
                 continue
-            if key in record["points"] and not args.redo:
-                log(f"{key}: in the record already (--redo to measure again)")
-                continue
-            log(f"{key}: measuring ({repeats} rounds)")
-            record["points"][key] = measure(comparison, n, repeats, args.warmup, args.max_wait,
-                                            not args.no_rotary_variant)
-            save_point(json_path, record, key, env, markdown)
-    return finish_report(json_path, record, markdown)
+            points.append((f"{comparison}@{n}", functools.partial(
+                measure, comparison, n, repeats, args.warmup, args.max_wait, not args.no_rotary_variant)))
+    # the environment is that of the code this process runs: taken before it measures
+    return measure_points(out_dir / "sparse_patterns.json", points, redo=args.redo, repeats=repeats,
+                          env=environment(PACKAGES), markdown=markdown)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,25 @@ def global_mask(stack: "AttentionLayers", mask: object, x: Tensor) -> None:
     bool_mask("global_mask", mask, tuple(x.shape[:2]), "(batch, seq)")
 
 
+def memories(stack: "AttentionLayers", max_mem_len: int, owner: str) -> None:
+    """A wrapper's max_mem_len > 0 keeps Transformer-XL memories: its stack's blocks must read them
+    and keep their inputs, at one length."""
+    from .attention.kernels.direct import switch
+    from .registry import MIXER
+
+    if not max_mem_len:
+        return
+    cfg = stack.cfg
+    if cfg.mixer is not None and not MIXER[cfg.mixer.name].caps.memories:
+        raise ValueError(f"{owner}: max_mem_len={max_mem_len} needs attention to read the memories; "
+                         f"{switch('mixer.', cfg.mixer.name)} has none")
+    if cfg.reversible:
+        raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with reversible=True (the "
+                         "backward recomputes the blocks' inputs; none is kept to be a memory)")
+    if cfg.hourglass is not None:
+        raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with hourglass (several lengths)")
+
+
 def prefix_len(value: object, b: int, n: int, causal: bool) -> Tensor:
     """prefix_len as a (b,) long tensor in [0, n]."""
     if not causal:

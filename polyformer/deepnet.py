@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from .checks import whole
 from .config import LayersConfig
 
 if TYPE_CHECKING:
@@ -96,8 +97,7 @@ def problems(cfg: LayersConfig) -> list[str]:
                      f"block each, plus one cross-attention block in a cross-attending decoder); {_layout_keyword(cfg)} "
                      f"makes the layout {''.join(cfg.layout)!r}, not made of them")
     if depths is not None:
-        if (not isinstance(depths, tuple) or len(depths) != 2
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in depths)):
+        if not isinstance(depths, tuple) or len(depths) != 2 or any(whole(d, "deepnorm_depths") for d in depths):
             found.append(f"deepnorm_depths must be (N encoder layers, M decoder layers), two positive integers, "
                          f"got {depths!r}")
         elif layers is not None:
@@ -112,9 +112,9 @@ def _layout_keyword(cfg: LayersConfig) -> str:
     if cfg.custom_layers is not None:
         return f"custom_layers={cfg.custom_layers!r}"
     if cfg.mixer is not None and "f" not in cfg.layout:
-        from .keywords import writing
+        from .attention.kernels.direct import switch
 
-        return f"{writing(f'mixer.{cfg.mixer.name}')[0]}=True"
+        return f"{switch('mixer.', cfg.mixer.name)}=True"
     return "macaron=True" if cfg.macaron else "only_cross=True" if cfg.only_cross else "the layout"
 
 

@@ -12,7 +12,6 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     # DeepNet (deepnet.py): post-LN with alpha * x + f(x) and the beta-scaled init, alpha / beta from the depths
     "deepnorm": flag(residual="deepnorm", placement="post"),
     "deepnorm_depths": Route("deepnorm_depths", _depths),
-    "norm_eps": Route("norm_eps", float),
     # sparse attention patterns (attention/patterns/): each writes its piece's options
     "attn_window": Route("attention.pattern.window.size"),
     "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from .checks import whole
 from .interfaces import Context
 from .memory.hourglass_state import HourglassState, LevelView, alignment, at, least, most, storage
 
@@ -95,7 +96,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     if h is None:
         return []
     factors = h.factors
-    if not factors or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in factors):
+    if not factors or any(whole(k, "hourglass") for k in factors):
         return [f"hourglass must be a shortening factor >= 1 or a sequence of them (outermost first), got {factors!r}"]
     found = []
     if h.pool not in ("linear", "average"):
@@ -105,7 +106,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     parts = 2 * len(factors) + 1
     if h.depths is not None:
         d = h.depths
-        if len(d) != parts or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in d):
+        if len(d) != parts or any(whole(n, "hourglass_depths", low=0) for n in d):
             found.append(f"hourglass_depths needs {parts} layer counts >= 0 for hourglass={factors!r} (pre layers of "
                          f"each level, the middle, post layers of each level), got {d!r}")
         elif sum(d) != cfg.depth:
@@ -121,7 +122,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
                      f"{''.join(layout)!r}, which is not {depth} of one")
     if cfg.reversible:
         found.append("hourglass cannot combine with reversible=True: the two streams cannot pass the shortening")
-    if getattr(cfg, "universal", False):
+    if cfg.universal:
         found.append("hourglass cannot combine with universal=True: one unit's weights cannot run at two resolutions")
     shortens = any(k > 1 for k in factors)
     if shortens and any(c.name == "local_2d" for c in cfg.attention.pattern):
@@ -185,10 +186,7 @@ class Hourglass(nn.Module):
         self.causal = cfg.causal
         self.resample = nn.ModuleList(Resample(cfg.dim, lv.factor, cfg.hourglass.pool, cfg.hourglass.upsample)
                                       for lv in self.levels if lv.factor is not None)
-        index = {}
-        for i, block in enumerate(stack.blocks):
-            if block.kind == "a":
-                index[i] = len(index)
+        index = {b: n for n, b in enumerate(i for i, block in enumerate(stack.blocks) if block.kind == "a")}
         self.layers = [{index[b]: n for n, b in enumerate(i for i in lv.pre + lv.post if i in index)}
                        for lv in self.levels]                   # per level: stack's self-attention index -> own
 

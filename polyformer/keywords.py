@@ -40,6 +40,7 @@ KEYWORDS: dict[str, Route] = {
     "use_rmsnorm": flag(norm="rms"),
     "use_rezero": flag(residual="rezero", norm="none"),
     "gate_residual": flag(residual="gru"),
+    "norm_eps": Route("norm_eps", float),
     # positions
     "rotary_pos_emb": flag(attention__position="rotary"),
     "rotary_emb_dim": Route("attention.rotary_dim"),
@@ -145,8 +146,6 @@ def _choices(stage: str, prefix: str, fields: dict[str, dict[str, Any]], keyword
     """The stage's choices, in the registry's order, from their options' fields. A choice missing a
     required option, or given options without the keyword that switches it on, names the keywords
     given and the keyword it needs."""
-    import dataclasses
-
     from .registry import STAGES
 
     table = STAGES[stage]
@@ -181,8 +180,6 @@ def _one(choices: tuple[Choice, ...], prefix: str, keywords: dict[str, str]) -> 
 def _onto(head: str, fields: dict[str, Any], switched: Any, keywords: dict[str, str]) -> Any:
     """The options dataclass the switch keyword of `head` wrote, with the options given written onto it;
     options given without the switch are refused by name."""
-    import dataclasses
-
     if not dataclasses.is_dataclass(switched):
         given = sorted({k for path, k in keywords.items() if path.startswith(f"{head}.")})
         raise ValueError(f"{' / '.join(given)} need(s) {' or '.join(writing(head))}=True")

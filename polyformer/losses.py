@@ -56,23 +56,14 @@ class AuxLosses:
 
 def loss_names(model: nn.Module) -> tuple[str, ...]:
     """The names of the auxiliary losses a model's blocks may report, sorted: every submodule that
-    reports declares them in a `loss_names` attribute (a tuple of str)."""
-    model = unwrapped(model)
+    reports declares them in a `loss_names` attribute (a tuple of str). A DistributedDataParallel,
+    FSDP or torch.compile wrapper holds the model as a submodule, so its blocks are found too."""
     names: set[str] = set()
     for module in model.modules():
         declared = getattr(module, "loss_names", ())
         if isinstance(declared, tuple):
             names.update(declared)
     return tuple(sorted(names))
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The module under DistributedDataParallel / FSDP (`.module`) and torch.compile (`._orig_mod`)."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def forward_with_losses(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, AuxLosses]:

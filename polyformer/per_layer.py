@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .config import AttentionConfig, LayersConfig
+from .universal import unit
 
 if TYPE_CHECKING:
     from .stack import AttentionLayers
@@ -122,15 +123,6 @@ def expand(layers: tuple[LayerKeywords, ...], values: dict[str, Any], keywords: 
     return tuple(out)
 
 
-def built_layout(cfg: LayersConfig) -> tuple[str, ...]:
-    """The blocks the stack builds: its layout, or under universal=True the shared unit's."""
-    if cfg.universal:
-        from .universal import unit
-
-        return unit(cfg)
-    return cfg.layout
-
-
 def problems(cfg: LayersConfig) -> list[str]:
     """What the per-block configs cannot be, as a whole (each block's own rules: `check`)."""
     layers = cfg.attention_layers
@@ -143,7 +135,7 @@ def problems(cfg: LayersConfig) -> list[str]:
                 f"{switch('mixer.', cfg.mixer.name)} replaces attention in every block: choose one"]
     if not isinstance(layers, tuple) or not all(isinstance(a, AttentionConfig) for a in layers):
         return [f"{KEYWORD}: expected one attention config per self-attention block, got {layers!r}"]
-    layout = built_layout(cfg)
+    layout = unit(cfg)                  # under universal=True, the shared unit's blocks
     if len(layers) != layout.count("a"):
         return [f"{KEYWORD} has {len(layers)} entries; the stack has {layout.count('a')} self-attention blocks "
                 f"(layout {''.join(layout)!r}{', the shared unit of universal=True' if cfg.universal else ''}): "

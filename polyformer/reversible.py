@@ -202,8 +202,7 @@ class Run:
         """Branch n (block, on inp, added to a stream now `out`) undone: the stream before it,
         out - branch(inp); with d_out (the gradient of out), d_inp plus the gradient through the branch
         (its parameters' gradients added to `grads`)."""
-        chunks = getattr(block.branch, "chunks", 1) if block.kind == "f" else 1
-        if chunks > 1 and block.shift is None and hasattr(block.branch, "split"):
+        if block.kind == "f" and block.branch.chunks > 1 and block.shift is None:     # a shift reads across pieces
             pieces = [block.branch.split(t) if t is not None else None for t in (inp, out, d_out, d_inp)]
             with self.replay(n):
                 done = [self.one(n, block, *(p[i] if p is not None else None for p in pieces), None, False)

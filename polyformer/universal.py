@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
 
 def unit(cfg: "LayersConfig") -> tuple[str, ...]:
-    """The block kinds of the shared unit: the layout of the same stack at depth 1, or custom_layers."""
-    return dataclasses.replace(cfg, depth=1).layout
+    """The block kinds a stack builds: under universal=True the shared unit (the layout of the same stack at
+    depth 1, or custom_layers), else its whole layout."""
+    return dataclasses.replace(cfg, depth=1).layout if cfg.universal else cfg.layout
 
 
 def steps(cfg: "LayersConfig") -> int:

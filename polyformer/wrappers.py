@@ -14,7 +14,7 @@ from .embedding import (AxialPositions, ExtraEmbeddings, LearnedPositions, Memor
                         TokenEmbedding, absolute_positions)
 from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
-from .registry import MIXER, NORM
+from .registry import NORM
 from .stack import AttentionLayers, Intermediates
 
 
@@ -47,12 +47,7 @@ class SequenceWrapper(nn.Module):
             raise ValueError(f"{owner}: max_mem_len and shift_mem_down must be >= 0")
         if shift_mem_down and not max_mem_len:
             raise ValueError(f"{owner}: shift_mem_down={shift_mem_down} needs max_mem_len > 0")
-        mixer = self.attn_layers.cfg.mixer
-        if max_mem_len and mixer is not None and not MIXER[mixer.name].caps.memories:
-            from .attention.kernels.direct import switch
-
-            raise ValueError(f"{owner}: max_mem_len={max_mem_len} needs attention to read the memories; "
-                             f"{switch('mixer.', mixer.name)} has none")
+        checks.memories(self.attn_layers, max_mem_len, owner)
         if shift_mem_down >= max(1, self.attn_layers.num_self_attn):
             raise ValueError(f"{owner}: shift_mem_down must be < the number of self-attention blocks "
                              f"({self.attn_layers.num_self_attn}), got {shift_mem_down}")
@@ -62,11 +57,6 @@ class SequenceWrapper(nn.Module):
         self.max_seq_len = max_seq_len
         self.max_mem_len = max_mem_len
         self.shift_mem_down = shift_mem_down
-        if max_mem_len and self.attn_layers.cfg.reversible:
-            raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with reversible=True (the "
-                             "backward recomputes the blocks' inputs; none is kept to be a memory)")
-        if max_mem_len and self.attn_layers.cfg.hourglass is not None:
-            raise ValueError(f"{owner}: max_mem_len={max_mem_len} cannot combine with hourglass (several lengths)")
         self.pos_emb = absolute_positions(owner, dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb,
                                           self.attn_layers.cfg.attention.position == "infused",
                                           self.attn_layers.has_pos_emb, axial_pos_emb, axial_pos_emb_dims)

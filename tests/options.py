@@ -66,7 +66,9 @@ PATTERN_OPTIONS: dict[str, dict] = {
     "attn_bigbird_blocks": dict(attn_bigbird_blocks=dict(block_size=1, random_blocks=1), rotary_pos_emb=True),
 }
 # one entry per registered attention kernel other than dense, and per mixer (registry.KERNEL /
-# registry.MIXER; tests/contracts keeps them in step), each with a keyword it combines with
+# registry.MIXER; tests/contracts keeps them in step), each with a keyword it combines with; and the
+# stack policies kept out of LAYER_OPTIONS (reversible, hourglass, attn_per_layer: the compile, export
+# and fast-step tests run LAYER_OPTIONS only)
 KERNEL_OPTIONS: dict[str, dict] = {
     "attn_linear": dict(attn_linear="elu", attn_linear_chunk=4, rotary_pos_emb=True, attn_num_mem_kv=2),
     "attn_linear_relu": dict(attn_linear="relu", attn_linear_chunk=3, attn_kv_heads=2),

@@ -16,14 +16,13 @@ from polyformer import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapp
 from polyformer.interfaces import Context
 from tests.helpers import ids, tiny_lm
 from tests.options import perturb
+from tests.test_universal import DIM, stack as universal_stack, unit_once
 
-DIM, N = 16, 9
+N = 9
 
 
 def stack(cls=Decoder, seed: int = 0, **keywords) -> torch.nn.Module:
-    keywords = {"depth": 4, "act": True, **keywords}
-    torch.manual_seed(seed)
-    return perturb(cls(dim=DIM, heads=2, attn_dim_head=8, universal=True, **keywords), seed + 1).eval()
+    return universal_stack(cls, seed=seed, **{"depth": 4, "act": True, **keywords})
 
 
 def counted(s: torch.nn.Module) -> list[tuple[int, ...]]:
@@ -42,10 +41,7 @@ def by_hand(s: torch.nn.Module, x: torch.Tensor, threshold: float) -> torch.Tens
     halted = torch.zeros(b, n, dtype=torch.bool)
     steps = s.universal.steps
     for t in range(steps):
-        h = state
-        for block in s.blocks:
-            h = block(h, ctx, None)[0]
-        state = torch.where(halted[..., None], state, h)
+        state = torch.where(halted[..., None], state, unit_once(s, state, ctx))
         prob = torch.sigmoid(s.universal.halting.unit(state)).squeeze(-1)
         for i in range(b):
             for j in range(n):
@@ -89,10 +85,7 @@ def test_a_threshold_that_halts_at_once_uses_one_step():
     out = s(x)
     assert len(shapes) == 1 and (s.universal.halting.last.steps == 1).all()
     ctx = Context(pos=torch.arange(N)[None], causal=True)
-    h = x
-    for block in s.blocks:
-        h = block(h, ctx, None)[0]
-    assert_close(out, s.final_norm(h))
+    assert_close(out, s.final_norm(unit_once(s, x, ctx)))
 
 
 def test_halted_positions_are_unchanged_by_later_steps():

@@ -113,6 +113,26 @@ def test_training_objectives_add_the_terms_and_keep_them_for_the_logs(objective)
     torch.testing.assert_close(loss, ce + 0.5 * term)
 
 
+def test_validation_scores_leave_the_auxiliary_terms_out():
+    """Perplexity and bits per byte measure the prediction: a reporting block (same logits) scores
+    as the model without it, though its training loss adds the term."""
+    from types import SimpleNamespace
+
+    from polyformer.train.scoring import evaluate
+    from polyformer.train.settings import RunSettings
+
+    settings = RunSettings()
+    settings.model.max_seq_len, settings.train.batch_size, settings.train.eval_batches = 8, 2, 2
+    data = SimpleNamespace(val=torch.randint(0, 20, (64,), generator=torch.Generator().manual_seed(0)),
+                           bytes_per_token=1.0)
+    model = decoder()
+    plain = evaluate(model, LanguageModeling(), settings, data)
+    reporting(model, weight=0.5)
+    objective = LanguageModeling()
+    assert evaluate(model, objective, settings, data) == pytest.approx(plain, rel=1e-6)
+    assert objective.aux.total() > 0
+
+
 def test_reports_are_refused_when_not_scalars_or_weights_disagree():
     aux = AuxLosses()
     with pytest.raises(ValueError, match="'x' must be a scalar"):

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 from polyformer import Decoder
 from polyformer.config import FeedForwardConfig
 from polyformer.feedforward import FeedForward
-from tests.test_reversible import DIM, N, context, explicit, grads, stack
+from tests.test_reversible import DIM, stack
 
 
 def pair(chunks: int, **options) -> tuple[FeedForward, FeedForward]:
@@ -69,39 +69,34 @@ def test_inference_holds_one_piece_of_the_hidden_tensor_at_a_time():
 
 
 def largest_saved_hidden(s: torch.nn.Module, x: torch.Tensor, inner: int) -> int:
-    """The most positions (batch x rows) of a feedforward hidden tensor (..., inner) autograd saves during
-    the backward of a reversible stack (its recomputation); parameters left out."""
+    """The most positions (batch x rows) of feedforward hidden tensors (..., inner) that one recomputed graph
+    of a reversible stack's backward saves (each graph is differentiated by a torch.autograd.grad call, then
+    freed); parameters left out."""
     out = s(x)
     params = {p.data_ptr() for p in s.parameters()}
-    largest = 0
+    saved, largest = [0], [0]
+    grad = torch.autograd.grad
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal largest
         if t.dim() >= 2 and t.shape[-1] == inner and t.data_ptr() not in params:
-            largest = max(largest, t.numel() // inner)
+            saved[0] += t.numel() // inner
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def differentiate(*args, **keywords):
+        largest[0], saved[0] = max(largest[0], saved[0]), 0
+        return grad(*args, **keywords)
+
+    with pytest.MonkeyPatch.context() as patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        patch.setattr(torch.autograd, "grad", differentiate)
         out.sum().backward()
-    return largest
+    return largest[0]
 
 
 def test_a_reversible_recomputation_differentiates_one_piece_at_a_time():
     x = torch.randn(2, 12, DIM, requires_grad=True)
-    assert largest_saved_hidden(stack(depth=2).train(), x, 4 * DIM) == 2 * 12
-    assert largest_saved_hidden(stack(depth=2, ff_chunks=4).train(), x, 4 * DIM) == 2 * 3
-
-
-def test_dropout_in_pieces_is_replayed_in_a_reversible_recomputation():
-    s = stack(ff_chunks=4, ff_dropout=0.3).double().train()
-    x = torch.randn(2, N, DIM, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, N, DIM, dtype=torch.float64)
-    torch.manual_seed(3)
-    got = grads(s, x, s(x), w)
-    torch.manual_seed(3)
-    want = grads(s, x, explicit(s, x, context(s)), w)
-    for key in want:
-        assert_close(got[key], want[key], atol=1e-10, rtol=1e-8, msg=key)
+    whole = largest_saved_hidden(stack(depth=2).train(), x, 4 * DIM)
+    pieces = largest_saved_hidden(stack(depth=2, ff_chunks=4).train(), x, 4 * DIM)
+    assert whole >= 2 * 12 and pieces * 4 == whole
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])

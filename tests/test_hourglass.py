@@ -141,7 +141,9 @@ def test_rollback_reorder_and_clone_continue_exactly():
     x = ids(3, 14)
     state = net.new_state(3, 14, history=4)
     net(x[:, :11], state=state)
+    assert (state.child.length, state.child.child.length) == (6, 3)     # groups of 2 after the shift, then of 2
     state.rollback(4)                                        # positions 7 ... 10 forgotten, at every level
+    assert (state.length, state.child.length, state.child.child.length) == (7, 4, 2)
     resumed = net(x[:, 11:14], state=state)
     fresh = net(torch.cat((x[:, :7], x[:, 11:14]), dim=1))[:, -3:]
     assert_close(resumed, fresh, rtol=1e-5, atol=1e-5)

@@ -171,6 +171,9 @@ BAD = {
     "decode_dims": (dict(attn_per_layer=[dict(attn_kv_heads=2), {}]), ValueError,
                     r"attn_per_layer\[0\] and attn_per_layer\[1\] keep keys of different shapes"),
     "mixer": (dict(gau=True, attn_per_layer=[{}, {}]), ValueError, "attn_per_layer .* gau"),
+    "bias_heads": (dict(rel_pos_bias=True, attn_per_layer=[{}, dict(heads=2)]), ValueError,
+                   r"attn_per_layer\[1\]: heads=2 differs from the stack's heads=4, but the stack's score bias "
+                   r"\(rel_pos_bias\)"),
     "residual_attn": (dict(residual_attn=True, attn_per_layer=[{}, dict(heads=2)]), ValueError,
                       r"attn_per_layer\[1\]: residual_attn=True"),
 }
@@ -184,8 +187,10 @@ def test_bad_input_is_refused_by_name_with_the_block_index(name):
 
 
 def test_key_shapes_may_differ_where_nothing_decodes():
-    encoder = Encoder(dim=32, depth=2, heads=4, attn_per_layer=[dict(attn_kv_heads=2), dict(heads=2)])
-    assert encoder(torch.randn(1, 5, 32)).shape == (1, 5, 32)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole, parts = composed(Encoder, [dict(attn_kv_heads=2), dict(heads=2, attn_dim_head=16)], dict(dim=32, heads=4), x)
+    assert_close(whole, parts, atol=1e-5, rtol=1e-5)
 
 
 def test_a_config_built_by_hand_is_checked_by_the_same_rules():

@@ -86,8 +86,10 @@ def test_gradients_equal_ordinary_autograd_of_the_formula(name):
     assert all(want[key].abs().sum() > 0 for key in want if not key.startswith("final_norm")), "an unused parameter"
 
 
-def test_dropout_is_replayed_in_the_recomputation():
-    s = stack(attn_dropout=0.3, ff_dropout=0.3).double().train()
+@pytest.mark.parametrize("keywords", [dict(attn_dropout=0.3, ff_dropout=0.3), dict(ff_chunks=4, ff_dropout=0.3)],
+                         ids=["whole", "ff_chunks"])      # ff_chunks: recomputed piece by piece, each piece's masks
+def test_dropout_is_replayed_in_the_recomputation(keywords):
+    s = stack(**keywords).double().train()
     x = torch.randn(2, N, DIM, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, N, DIM, dtype=torch.float64)
     torch.manual_seed(7)

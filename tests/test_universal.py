@@ -24,6 +24,13 @@ def stack(cls=Decoder, depth: int = 3, seed: int = 0, **keywords) -> torch.nn.Mo
     return perturb(cls(dim=DIM, depth=depth, heads=2, attn_dim_head=8, universal=True, **keywords), seed + 1).eval()
 
 
+def unit_once(s: torch.nn.Module, h: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """One application of the stack's shared blocks to h, block by block."""
+    for block in s.blocks:
+        h = block(h, ctx, None)[0]
+    return h
+
+
 def coordinate(n: int, t: int, dim: int) -> torch.Tensor:
     """The paper's 2D coordinate embedding P^t (n, dim), entry by entry (arXiv:1807.03819, section 2.1)."""
     p = torch.zeros(n, dim)
@@ -45,8 +52,7 @@ def test_depth_d_equals_the_unit_applied_d_times_by_hand(cls, timestep):
     for t in (1, 2, 3):
         if timestep:
             h = h + coordinate(N, t, DIM)
-        for block in s.blocks:
-            h = block(h, ctx, None)[0]
+        h = unit_once(s, h, ctx)
     assert_close(s(x), s.final_norm(h))
     assert not torch.allclose(s(x), stack(cls, depth=2, ut_timestep_emb=timestep)(x))
 
@@ -58,8 +64,7 @@ def test_custom_layers_are_the_unit():
     ctx = Context(pos=torch.arange(N)[None], causal=True)
     h = x
     for _ in range(2):
-        for block in s.blocks:
-            h = block(h, ctx, None)[0]
+        h = unit_once(s, h, ctx)
     assert_close(s(x), s.final_norm(h))
 
 
@@ -73,7 +78,8 @@ def test_parameter_count_is_independent_of_depth():
 
 
 def test_each_application_keeps_its_own_keys_in_the_decode_state():
-    model = perturb(tiny_lm(depth=3, universal=True, ut_timestep_emb=True, seed=0), scale=0.05)
+    """... and its own token-shift inputs (shift_tokens reads earlier steps' inputs from the state)."""
+    model = perturb(tiny_lm(depth=3, universal=True, ut_timestep_emb=True, shift_tokens=1, seed=0), scale=0.05)
     state = model.new_state(2, 10)
     assert state.layers == 3 == model.attn_layers.num_self_attn
     x = ids(2, 10)

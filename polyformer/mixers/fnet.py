@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config import AttentionConfig, LayersConfig
+from ..config import LayersConfig
 from ..interfaces import AttnOut, Caps, Context
 from ..precision import upcast
 
-# attention fields a mixer's block would silently ignore (the others are refused in attention/kernels/direct.py)
-_UNUSED = ("position", "num_mem_kv", "kv_heads", "dropout", "rotary_dim", "rotary_base", "rotary_interleaved", "rotary_interpolation",
-           "rotary_llama3", "alibi_num_heads", "rel_pos_num_buckets", "rel_pos_max_distance", "collab_heads",
-           "collab_compression", "on_attn", "gate_values", "qkv_bias", "out_bias")
+# attention fields a mixer's block would silently ignore (the others are refused in attention/kernels/direct.py);
+# cross-attention blocks read all but the positional ones
+_POSITIONAL = ("position", "rotary_dim", "rotary_base", "rotary_interleaved", "rotary_interpolation", "rotary_llama3")
+_UNUSED = _POSITIONAL + ("num_mem_kv", "kv_heads", "dropout", "alibi_num_heads", "rel_pos_num_buckets",
+                         "rel_pos_max_distance", "collab_heads", "collab_compression", "on_attn", "gate_values",
+                         "qkv_bias", "out_bias")
 
 
 def fourier_mix(x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -44,16 +46,14 @@ class FNet(nn.Module):
     @staticmethod
     def check(options: None, cfg: LayersConfig) -> list[str]:
         """Attention keywords FNet would ignore (unless cross-attention blocks use them)."""
-        if "c" in cfg.layout:
-            return []
-        default = AttentionConfig()
-        unused = [f for f in _UNUSED if getattr(cfg.attention, f) != getattr(default, f)]
-        if not unused:
-            return []
-        from ..keywords import writing
+        from ..attention.kernels.direct import changed
 
-        names = sorted({k for f in unused for k in writing(f"attention.{f}")})
-        return [f"attn_fnet has no queries, keys or values: {' / '.join(names)} would do nothing with it"]
+        cross = "c" in cfg.layout
+        names = changed("attention", cfg.attention, _POSITIONAL if cross else _UNUSED)
+        if not names:
+            return []
+        return [f"attn_fnet has no queries, keys or values: {' / '.join(names)} would do nothing with it"
+                + (" (cross-attention reads no positions)" if cross else "")]
 
     @property
     def decode_kind(self) -> str:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
-from ..config import AttentionConfig, FeedForwardConfig, LayersConfig
+from ..config import LayersConfig
 from ..interfaces import AttnOut, Caps, Context
 from ..position.rotary import Rotary
 from ..precision import upcast
@@ -61,7 +61,6 @@ class GatedAttentionUnit(nn.Module):
     """A gated attention unit: single-head relu² attention gating an expanded SiLU branch."""
 
     options = GauOptions
-    # "keys" as declared; with gau_chunk a unit keeps a fixed-size recurrent summary (see decode_kind)
     # decode: "keys" unchunked; a chunked unit keeps a recurrent summary instead (`decode_kind`)
     caps = Caps(exact=True, bias=False, causal=True, bidirectional=True, padding=True, decode="keys", form="direct",
                 memories=False)
@@ -69,7 +68,7 @@ class GatedAttentionUnit(nn.Module):
 
     def __init__(self, dim: int, cfg: LayersConfig, layer: int = 0):
         super().__init__()
-        options = cfg.mixer.options if cfg.mixer is not None and cfg.mixer.options is not None else GauOptions()
+        options: GauOptions = cfg.mixer.options
         self.layer, self.causal, self.chunk = layer, cfg.causal, options.chunk
         self.qk_dim = s = options.qk_dim
         self.expand = e = width(dim, options.expansion)
@@ -84,7 +83,7 @@ class GatedAttentionUnit(nn.Module):
 
     @staticmethod
     def check(options: GauOptions, cfg: LayersConfig) -> list[str]:
-        from ..keywords import writing
+        from ..attention.kernels.direct import changed
 
         found = checks.whole(options.chunk, "gau_chunk", optional=True) + checks.whole(options.qk_dim, "gau_qk_dim")
         x = options.expansion
@@ -96,13 +95,11 @@ class GatedAttentionUnit(nn.Module):
         if cfg.cross_attend or cfg.only_cross:
             found.append("gau stacks gated attention units alone: it has no cross-attention block for "
                          "cross_attend / only_cross")
-        ff, a = cfg.ff, cfg.attention
-        ff = sorted({k for f in vars(ff) if getattr(ff, f) != getattr(FeedForwardConfig(), f)
-                     for k in writing(f"ff.{f}")})
+        a = cfg.attention
+        ff = changed("ff", cfg.ff, vars(cfg.ff))
         if ff:
             found.append(f"gau replaces the feedforward blocks: {' / '.join(ff)} would do nothing")
-        unused = sorted({k for f in _UNUSED if getattr(a, f) != getattr(AttentionConfig(), f)
-                         for k in writing(f"attention.{f}")})
+        unused = changed("attention", a, _UNUSED)
         if unused:
             found.append(f"gau has one head of its own: {' / '.join(unused)} would do nothing with it")
         if a.position not in ("none", "rotary"):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checks
+from ..attention.kernels.dense import causal_keep
 
 # "kv" (b, s, e), "count" (b,): Σ kl vᵀ and the number of kept keys of the chunks before the latest one;
 # "chunk" (b,): the latest chunk's index (-1: none yet); its keys "kq", "kl" (b, c, s), values "v" (b, c, e)
@@ -88,7 +89,7 @@ def mixed_chunk(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: 
     H = (Kl * mask[..., None]).transpose(-1, -2) @ V                         # (b, G, s, e) per chunk
     seen = mask[:, :, None, :]                                                # (b, G, i, j) inside a chunk
     if causal:
-        seen = seen & torch.ones(c, c, dtype=torch.bool, device=qq.device).tril()
+        seen = seen & causal_keep(c, c, qq.device)
         P = start["kv"][:, None] + _exclusive(H)                              # keys of the earlier chunks
         before = start["count"][:, None] + _exclusive(mask.long().sum(-1))    # (b, G)
         N = before[..., None] + mask.long().cumsum(-1)                        # (b, G, c)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..checks import whole
+
 
 class AxialPositions(nn.Module):
     """Position p (< a * b) -> concat(E1[p // b], E2[p % b]) of size d1 + d2."""
@@ -32,8 +34,7 @@ class AxialPositions(nn.Module):
 
 
 def _pair(value: object, name: str, owner: str) -> tuple[int, int]:
-    if (not isinstance(value, (tuple, list)) or len(value) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or any(whole(v, name) for v in value):
         raise TypeError(f"{owner}: {name} must be two positive integers, got {value!r}")
     return int(value[0]), int(value[1])
 

@@ -21,6 +21,7 @@ from .settings import EVAL_SETTINGS, RunSettings, from_dict, set_value, validate
 from .setup import Data, build_objective, load_data
 from .tokenizer import FILENAME as TOKENIZER_FILE, load_tokenizer
 
+
 def load_model(run_dir: str) -> tuple[RunSettings, nn.Module]:
     """A trained run's settings and its model with the newest good checkpoint, in eval mode."""
     settings, model, _ = load_checkpointed(run_dir)

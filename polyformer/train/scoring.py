@@ -15,8 +15,6 @@ from .batches import Batches
 from .objectives import MaskedLanguageModeling, Seq2Seq, token_accuracy
 from .settings import RunSettings
 
-IGNORE = -100
-
 
 def scores(loss: float, bytes_per_token: float) -> dict[str, float]:
     """A mean loss in nats per token, with its perplexity and bits per byte."""
@@ -24,10 +22,19 @@ def scores(loss: float, bytes_per_token: float) -> dict[str, float]:
             "bits_per_byte": loss / math.log(2) / bytes_per_token}
 
 
+def task_loss(objective: Any, model: nn.Module, batch: Any) -> float:
+    """The objective's loss on a batch without the weighted auxiliary terms it adds for training
+    (routing commitment, ponder cost, ...): a score measures the prediction alone."""
+    loss = objective.loss(model, batch)
+    aux = objective.aux.total()
+    return (loss if aux is None else loss - aux.to(loss.dtype)).item()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Any,
              batches: int | None = None) -> dict[str, float]:
-    """Validation loss over fixed batches (the same every time), perplexity and bits per byte."""
+    """Validation loss over fixed batches (the same every time, auxiliary losses left out),
+    perplexity and bits per byte."""
     n = batches or settings.train.eval_batches
     was_training = model.training
     model.eval()
@@ -35,13 +42,13 @@ def evaluate(model: nn.Module, objective: Any, settings: RunSettings, data: Any,
     try:
         if isinstance(objective, Seq2Seq):
             g = torch.Generator().manual_seed(12345)
-            losses = [objective.loss(model, objective.task.sample(settings.train.batch_size, generator=g)).item()
+            losses = [task_loss(objective, model, objective.task.sample(settings.train.batch_size, generator=g))
                       for _ in range(n)]
             return {"loss": sum(losses) / n, "accuracy": token_accuracy(model, objective.task, n=64)}
         if hasattr(objective, "generator"):
             objective.generator.manual_seed(12345)
         fixed = Batches(data.val, settings.model.max_seq_len, settings.train.batch_size, seed=12345)
-        loss = sum(objective.loss(model, fixed.batch(k)).item() for k in range(n)) / n
+        loss = sum(task_loss(objective, model, fixed.batch(k)) for k in range(n)) / n
     finally:
         objective.load_state_dict(state)
         model.train(was_training)
@@ -63,8 +70,9 @@ def _summed(model: nn.Module, x: Tensor, objective: Any) -> tuple[float, int]:
         inp, target = objective.mask(x[:, :-1])
     else:                       # lm and prefix_lm runs: next-token loss, causal throughout
         inp, target = x[:, :-1], x[:, 1:]
-    loss = F.cross_entropy(model(inp).transpose(1, 2).float(), target, ignore_index=IGNORE, reduction="sum")
-    return loss.item(), int((target != IGNORE).sum())
+    ignore = objective.ignore_index
+    loss = F.cross_entropy(model(inp).transpose(1, 2).float(), target, ignore_index=ignore, reduction="sum")
+    return loss.item(), int((target != ignore).sum())
 
 
 @torch.no_grad()

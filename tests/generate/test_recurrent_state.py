@@ -9,11 +9,9 @@ from torch.testing import assert_close
 
 from polyformer import AutoregressiveWrapper
 from tests.helpers import ids, tiny_lm
-from tests.options import perturb
+from tests.options import KERNEL_OPTIONS, perturb
 
-KERNELS = {"performer": dict(attn_performer=True, attn_performer_features=8, attn_performer_chunk=4),
-           "linear": dict(attn_linear="elu", rotary_pos_emb=True),
-           "rfa_gate": dict(attn_rfa=True, attn_rfa_gate=True, attn_rfa_chunk=3)}
+KERNELS = {name: KERNEL_OPTIONS[f"attn_{name}"] for name in ("performer", "linear", "rfa_gate")}
 
 
 def model(name: str):

@@ -33,10 +33,15 @@ def explicit(unit, x, pos, mask, causal, chunk=None):
     only, when chunked, plus plain linear attention to the earlier chunks, or to all of them in an
     Encoder); the pseudo-code's scaling: relu²(score / N) unchunked, N the number of kept keys the query
     sees (the paper's length n), relu²(score / c) inside a chunk of c and the linear sum divided by N;
-    O = (U ⊙ A V) W_o + b_o."""
+    O = (U ⊙ A V) W_o + b_o. With rotary_pos_emb every query / key pair is rotated (the unit's own
+    rotation, tested in tests/position)."""
     e = unit.expand
     u, v, z = F.silu(x @ unit.hidden.weight.T + unit.hidden.bias).split((e, e, S), -1)
     parts = [z * unit.gamma[p] + unit.beta[p] for p in range(unit.gamma.shape[0])]
+    if unit.rotary is not None:
+        for p in range(0, len(parts), 2):
+            rq, rk = unit.rotary(parts[p][:, None], parts[p + 1][:, None], pos, pos)
+            parts[p], parts[p + 1] = rq[:, 0], rk[:, 0]
     out = torch.zeros_like(u)
     b, n = mask.shape
     for r in range(b):
@@ -81,9 +86,10 @@ def test_unit_equals_its_equations(causal):
     assert_close(got.weights[:, 0][mask], a[mask], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_mixed_chunk_attention_equals_its_equations(causal):
-    unit = stack(causal, gau_chunk=3).blocks[0].branch
+def test_mixed_chunk_attention_equals_its_equations(causal, rotary):
+    unit = stack(causal, gau_chunk=3, **(dict(rotary_pos_emb=True) if rotary else {})).blocks[0].branch
     x = torch.randn(2, 11, DIM, dtype=torch.float64)          # 11 positions: the last chunk is partial
     pos, mask = padded(causal, 11)
     expected = explicit(unit, x, pos, mask, causal, chunk=3)
@@ -97,15 +103,15 @@ def test_one_chunk_covering_the_sequence_is_the_quadratic_unit(rotary):
     keywords = dict(rotary_pos_emb=True) if rotary else {}
     x = torch.randn(2, 11, DIM, dtype=torch.float64)
     pos = torch.arange(11)[None]
-    enc_chunked, enc_plain = stack(False, gau_chunk=11, **keywords).blocks[0].branch, stack(False).blocks[0].branch
+    enc_chunked, enc_plain = (stack(False, gau_chunk=11, **keywords).blocks[0].branch,
+                              stack(False, **keywords).blocks[0].branch)
     with torch.no_grad():
         enc_plain.load_state_dict({k: v[:2] if k in ("gamma", "beta") else v
                                    for k, v in enc_chunked.state_dict().items()})
         assert not torch.allclose(run(enc_chunked, x, pos, None, False).out, run(enc_plain, x, pos, None, False).out)
         enc_chunked.gamma[2:] = 0.0
         enc_chunked.beta[2:] = 0.0
-    if not rotary:
-        assert_close(run(enc_chunked, x, pos, None, False).out, run(enc_plain, x, pos, None, False).out)
+    assert_close(run(enc_chunked, x, pos, None, False).out, run(enc_plain, x, pos, None, False).out)
 
 
 @pytest.mark.parametrize("chunk", [None, 3])

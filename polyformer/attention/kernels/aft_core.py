@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .dense import causal_keep
+
 Sums = tuple[Tensor, Tensor, Tensor]     # numerator, denominator relative to a maximum, and it: each (b, g, n, d)
 Bias = Callable[[Tensor, Tensor], Tensor]    # (query indices (i,), key indices (i|1, S)) -> (b|1, g|1, i, S)
 
@@ -76,7 +78,7 @@ def scan(k: Tensor, v: Tensor, start: Sums, chunk: int) -> Sums:
     s_num, s_den, s_max = (torch.stack(t, 2) for t in zip(*carried))     # (b, g, C, d)
     ref = torch.maximum(run, s_max[:, :, :, None])                        # per key: the running maximum
     safe = _finite(ref)
-    later = ~torch.ones(L, L, dtype=torch.bool, device=k.device).tril()
+    later = ~causal_keep(L, L, k.device)
     x = (k[:, :, :, None] - safe[:, :, :, :, None]).masked_fill(later[..., None], float("-inf"))
     w = x.exp()                                                           # (b, g, C, t, j, d)
     scale = (s_max[:, :, :, None] - safe).exp()
@@ -143,7 +145,7 @@ def pairwise(k: Tensor, v: Tensor, free: int, i: int, causal: bool, bias: Bias, 
         s1 = min(s0 + chunk, i)
         a0, a1 = j - i + s0, j - i + s1                                   # the chunk's own keys
         w = bias(at[s0:s1], keys[None, :a1])                              # (b|1, g|1, l, a1)
-        later = torch.ones(s1 - s0, s1 - s0, dtype=torch.bool, device=k.device).triu(1)
+        later = ~causal_keep(s1 - s0, s1 - s0, k.device)
         w = torch.cat((w[..., :a0], w[..., a0:].masked_fill(later, float("-inf"))), -1)
         w = w - _finite(w.amax(-1, keepdim=True))
         seen = k[:, :, :a0].amax(2, keepdim=True) if a0 else torch.full_like(k[:, :, :1], float("-inf"))

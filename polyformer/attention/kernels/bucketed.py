@@ -26,18 +26,23 @@ from torch import Tensor
 from ...precision import upcast
 from .bucket_blocks import layout
 
-_SHIFT = 32                 # (bucket, position) as one int64: bucket << 32 | position + 2**31
+_SHIFT = 32                 # sort_key: bucket << 32 | position + 2**31
 _OFFSET = 1 << 31
 NO_BUCKET = 1 << 30         # masked keys: after every real bucket (bucket ids must be below it)
 HIDDEN = -1e30              # the score of a key a query does not see (finite: no NaN for a query that sees none)
 
 
-def _rows(t: Tensor, b: int, g: int, n: int) -> Tensor:
+def sort_key(bucket: Tensor, pos: Tensor) -> Tensor:
+    """Integer buckets and positions as one int64 that sorts by bucket, then position."""
+    return (bucket << _SHIFT) + pos + _OFFSET
+
+
+def rows_of(t: Tensor, b: int, g: int, n: int) -> Tensor:
     """(b|1, n) or (b, n) -> (b * g, n), one row per (batch, bucket row)."""
     return t.expand(b, n)[:, None].expand(b, g, n).reshape(b * g, n)
 
 
-class _MaskedSoftmax(torch.autograd.Function):
+class MaskedSoftmax(torch.autograd.Function):
     """softmax over the visible scores (s (..., k), visible bool) and its log-normaliser (...), from one
     pass of exponentials: lse = s_t - log w_t at the largest score t. Hidden keys weigh exactly 0, so the
     backward, w * (g - Σ g w + g_lse), needs no mask."""
@@ -80,15 +85,15 @@ def bucketed(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k_bucket: Tensor
     head = (torch.arange(b, device=device)[:, None] * h + torch.arange(g, device=device) // (g // h)).reshape(rows)
     qf = (upcast(q) * scale).reshape(-1, d)
     kf, vf = upcast(k).reshape(-1, d), upcast(v).reshape(-1, dv)
-    qp, kp = _rows(q_pos.long(), b, g, i), _rows(k_pos.long(), b, g, j)
+    qp, kp = rows_of(q_pos.long(), b, g, i), rows_of(k_pos.long(), b, g, j)
     qb, kb = q_bucket.reshape(rows, i).long(), k_bucket.reshape(rows, j).long()
     if k_mask is not None:
-        kb = kb.masked_fill(~_rows(k_mask, b, g, j), NO_BUCKET)
+        kb = kb.masked_fill(~rows_of(k_mask, b, g, j), NO_BUCKET)
 
     # each query's run [lo, hi) of keys in (bucket, position) order: its chunk m and the one before
     # (causal: cut at its position; exclude_self: less [before, after), the keys at its position)
-    ordered, order = ((kb << _SHIFT) + kp + _OFFSET).sort(dim=1, stable=True)
-    q_key = (qb << _SHIFT) + qp + _OFFSET
+    ordered, order = sort_key(kb, kp).sort(dim=1, stable=True)
+    q_key = sort_key(qb, qp)
     first, end = torch.searchsorted(ordered, qb << _SHIFT), torch.searchsorted(ordered, (qb + 1) << _SHIFT)
     before, after = torch.searchsorted(ordered, q_key), torch.searchsorted(ordered, q_key, right=True)
     m = (before - first) // c
@@ -116,7 +121,7 @@ def bucketed(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k_bucket: Tensor
         q_rows, k_rows = head[row][:, None] * i + qi, (head[row][:, None] * j + ki).view(-1)
         scores = torch.bmm(qf.index_select(0, q_rows.view(-1)).view(-1, c, d),
                            kf.index_select(0, k_rows).view(-1, run, d).transpose(1, 2))
-        weights, lse = _MaskedSoftmax.apply(scores, visible)
+        weights, lse = MaskedSoftmax.apply(scores, visible)
         out = torch.bmm(weights, vf.index_select(0, k_rows).view(-1, run, dv))
         dense = None
         if need_weights:        # (rows * i, j + 1): each query's weights, one extra column for runs past j

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ...config import LayersConfig
 
 
@@ -11,6 +13,15 @@ def switch(prefix: str, name: str) -> str:
     from ...keywords import writing
 
     return writing(f"{prefix}{name}", below=True)[0]
+
+
+def changed(section: str, given: object, fields: Iterable[str]) -> list[str]:
+    """The public keywords that set `fields` of a config section ("attention", "ff": `given`, a
+    dataclass) away from their defaults, sorted: what a mixer has no use for and would ignore."""
+    from ...keywords import writing
+
+    default = type(given)()
+    return sorted({k for f in fields if getattr(given, f) != getattr(default, f) for k in writing(f"{section}.{f}")})
 
 
 def problems(cfg: LayersConfig) -> list[str]:

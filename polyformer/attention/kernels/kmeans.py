@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...precision import upcast
+from ...reversible import differentiated_forward
 
 
 BLOCK = 1024        # positions assigned at a time: the (b, h, block, k) similarities stay small
@@ -73,12 +74,6 @@ def commitment(x: Tensor, ids: Tensor, centroids: Tensor, keep: Tensor | None) -
     return (dist * weight).sum(), weight.sum() * dist.shape[1]
 
 
-def recomputing() -> bool:
-    """Whether this forward runs inside a backward pass: the recomputation (gradient checkpointing,
-    reversible layers) of a forward that already moved the centroids."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class OnlineKmeans(nn.Module):
     """Centroids (heads, clusters, dim) as a persistent buffer, the assignment and the training update."""
 
@@ -88,7 +83,7 @@ class OnlineKmeans(nn.Module):
         self.register_buffer("centroids", F.normalize(torch.randn(heads, clusters, dim, generator=g), dim=-1))
         self.decay = decay
         self.clusters = clusters
-        self._before: Tensor | None = None     # the centroids the last training forward routed with
+        self._before: Tensor | None = None     # the centroids the last moving forward routed with
 
     def _apply(self, fn, recurse: bool = True) -> "OnlineKmeans":
         """Casts keep the centroids in float32 at least: a moving-average step of 1 - decay = 1e-3 is
@@ -101,17 +96,20 @@ class OnlineKmeans(nn.Module):
         """Cluster ids (b, h, i) of queries q (b, h, i, d) and (b, h, j) of keys k (b, h, j, d), and the
         commitment loss of this forward's own tokens, the queries and the last i keys (not cached or
         remembered keys), where keep (b, i) holds. In training the centroids then move by one EMA step
-        toward those tokens; a recomputation inside backward routes with the centroids its original
-        forward used and moves nothing (the last training forward's: several forwards before one
-        backward, or a block run twice per forward, would recompute with other centroids)."""
-        again = self.training and recomputing() and self._before is not None
+        toward those tokens, in a forward that autograd will differentiate, run for the first time
+        (`reversible.differentiated_forward`). Any other training forward (a recomputation inside backward:
+        gradient checkpointing, reversible layers; one under no_grad) moves nothing and routes with the
+        centroids the last moving forward routed with (the current ones would differ from the original
+        forward's; so would those of the forward before it, with several forwards before one backward)."""
+        move = self.training and differentiated_forward()
+        again = self.training and not move and self._before is not None
         centroids = self._before if again else self.centroids
         q_ids, k_ids = assign(q, centroids), assign(k, centroids)
         i = q.shape[2]
         own = ((q, q_ids), (k[:, :, -i:], k_ids[:, :, -i:]))
         terms = [commitment(x, ids, centroids, keep) for x, ids in own]
         loss = (terms[0][0] + terms[1][0]) / (terms[0][1] + terms[1][1]).clamp(min=1)
-        if self.training and not again:
+        if move:
             sums = [member_sums(x, ids, keep, self.clusters) for x, ids in own]
             self._before = self.centroids.clone()
             with torch.no_grad():

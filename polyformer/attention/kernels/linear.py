@@ -58,7 +58,7 @@ class KernelAttention(nn.Module):
 
     def __init__(self, spec: KernelSpec):
         super().__init__()
-        self.chunk = spec.options.chunk if spec.options is not None else 64
+        self.chunk = spec.options.chunk
         self.feature = self.feature_map(spec, spec.options)
 
     def feature_map(self, spec: KernelSpec, options: LinearOptions) -> nn.Module:
@@ -170,9 +170,8 @@ class Rfa(KernelAttention):
 
     def __init__(self, spec: KernelSpec):
         super().__init__(spec)
-        options = spec.options if spec.options is not None else RfaOptions()
-        self.decays = options.gate
-        if options.gate:
+        self.decays = spec.options.gate
+        if self.decays:
             self.gate_weight = nn.Parameter(torch.zeros(spec.kv_heads, spec.dim_qk))
             self.gate_bias = nn.Parameter(torch.full((spec.kv_heads,), 2.0))     # starts near g = 0.88
 

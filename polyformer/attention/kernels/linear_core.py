@@ -8,10 +8,10 @@ multiplied by e^{d_{j+1} + ... + d_i}. Every form below subtracts the running ma
 weights seen so far (a max over j ≤ i only: the future never enters, not even through a max), so
 scaled inputs cannot overflow, and they agree to rounding:
 
-- `chunked`: the causal parallel form: quadratic inside chunks, a fixed-size summary across them;
-- `recurrent`: the same on one step of a decode state (a `Summary` carried between calls);
+- `chunked`: the causal parallel form: quadratic inside chunks, a fixed-size summary across them,
+  continuing a decode state's `Summary` (`start`) and reporting the summaries a rollback needs;
 - `quadratic`: the masked (b, h, i, j) matrix, the reference and what `return_attn` shows;
-- `bidirectional`: every key for every query.
+- `bidirectional`: every key for every query, through one summary (`summarise`, `combine`, `read`).
 
 The denominator gets `eps` times the largest key weight so far (feature maps that can vanish)."""
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .dense import causal_keep
 
 Summary = dict[str, Tensor]     # "kv" (b, h, m, dv), "k" (b, h, m), "max" (b, h): Σ e^{a_j - max} ψ(k_j) v_jᵀ, ...
 
@@ -53,8 +55,7 @@ def quadratic(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None =
         w = w.masked_fill(~torch.ones(i, n, dtype=torch.bool, device=q.device).tril(n - i), float("-inf"))
     top = _finite(w.amax(-1, keepdim=True))
     weights = (q @ k.transpose(-1, -2)) * (w - top).exp()
-    den = weights.sum(-1)
-    weights = weights / torch.where(den + eps == 0, torch.ones_like(den), den + eps)[..., None]
+    weights = _divide(weights, weights.sum(-1), eps)
     return weights @ v, weights
 
 
@@ -139,7 +140,7 @@ def _chunks(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None, st
         D = decay.reshape(b, h, C, L).cumsum(-1)
         a = a - D
     run = a.cummax(-1).values                                                  # (b, h, C, L): max within the chunk
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    causal = causal_keep(L, L, q.device)
     # each chunk's keys summarised relative to the chunk's own maximum, all chunks at once
     own = run[..., -1]                                                         # (b, h, C)
     kw = k * (a - _finite(own)[..., None]).exp()[..., None]
@@ -187,7 +188,7 @@ def _stepwise(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None, 
     run = a.cummax(-1).values
     M = torch.maximum(run, state["max"][..., None])                            # (b, h, r)
     safe = _finite(M)
-    causal = torch.ones(r, r, dtype=torch.bool, device=q.device).tril()
+    causal = causal_keep(r, r, q.device)
     w = (a[..., None, :] - safe[..., :, None]).exp().masked_fill(~causal, 0.0)    # (b, h, t, j)
     old = (state["max"][..., None] - safe).exp().nan_to_num(0.0)               # (b, h, t)
     kv = state["kv"][:, :, None] * old[..., None, None] + torch.einsum("bhtj,bhjm,bhjd->bhtmd", w, k, v)

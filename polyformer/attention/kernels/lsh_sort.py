@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...precision import upcast
-from .bucketed import NO_BUCKET, _OFFSET, _SHIFT, _MaskedSoftmax, _rows
+from .bucketed import NO_BUCKET, MaskedSoftmax, rows_of, sort_key
 
 
 def _look_back(t: Tensor) -> Tensor:
@@ -37,12 +37,12 @@ def sorted_rounds(q: Tensor, k: Tensor, v: Tensor, buckets: Tensor, *, chunk: in
     rows, size = b * h, -(-n // c) * c
     pad = size - n
     bucket = buckets.reshape(rows, rounds, n).long()
-    p = torch.cat((_rows(pos.long(), b, h, n), q.new_zeros(rows, pad, dtype=torch.long)), 1)
-    keep = torch.ones(rows, n, dtype=torch.bool, device=device) if mask is None else _rows(mask, b, h, n)
+    p = torch.cat((rows_of(pos.long(), b, h, n), q.new_zeros(rows, pad, dtype=torch.long)), 1)
+    keep = torch.ones(rows, n, dtype=torch.bool, device=device) if mask is None else rows_of(mask, b, h, n)
     keep = torch.cat((keep, keep.new_zeros(rows, pad)), 1)                    # (rows, size)
     bucket = torch.cat((bucket, bucket.new_full((rows, rounds, pad), NO_BUCKET)), 2)
     bucket = bucket.masked_fill(~keep[:, None], NO_BUCKET)
-    order = ((bucket << _SHIFT) + p[:, None] + _OFFSET).sort(dim=2, stable=True)[1]   # (rows, rounds, size)
+    order = sort_key(bucket, p[:, None]).sort(dim=2, stable=True)[1]   # (rows, rounds, size)
 
     # sorted slots in chunks of c, each reading its own chunk and the one before: which token sits where
     token = order.view(rows, rounds * size // c, c)
@@ -57,7 +57,7 @@ def sorted_rounds(q: Tensor, k: Tensor, v: Tensor, buckets: Tensor, *, chunk: in
     q_rows, k_rows = (row * n + token.clamp(max=n - 1)).view(-1), (row * n + near.clamp(max=n - 1)).view(-1)
     scores = torch.bmm(qf.index_select(0, q_rows).view(-1, c, d),
                        kf.index_select(0, k_rows).view(-1, 2 * c, d).transpose(1, 2))
-    weights, lse = _MaskedSoftmax.apply(scores, visible.view(-1, c, 2 * c))
+    weights, lse = MaskedSoftmax.apply(scores, visible.view(-1, c, 2 * c))
     out = torch.bmm(weights, vf.index_select(0, k_rows).view(-1, 2 * c, dv))
 
     # back to each round's token order: token t of round r sits at slot r * size + back[r, t]

@@ -83,8 +83,7 @@ def nystrom(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, m: int, iters:
     kernel_1 = masked_softmax(q @ k_marks.transpose(-1, -2), seen)             # (b, h, i, m)
     a = masked_softmax(q_marks @ k_marks.transpose(-1, -2), seen) * q_ok[:, None, :, None]
     kernel_3 = masked_softmax(q_marks @ k.transpose(-1, -2), None if keep is None else keep[:, None, None, :])
-    kernel_3 = kernel_3 * q_ok[:, None, :, None]                               # (b, h, m, j)
-    left = kernel_1 @ iterative_pinv(a, iters, init)                           # (b, h, i, m)
+    left = kernel_1 @ iterative_pinv(a, iters, init)    # (b, h, i, m): 0 in a missing landmark's column (A's row is 0)
     if need_weights:
         weights = left @ kernel_3
         return weights @ v, weights

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from polyformer import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
 from polyformer.attention.kernels.adaptive_span import AdaptiveSpan, AdaptiveSpanOptions, soft_mask
 from polyformer.interfaces import KV, KernelSpec
-from tests.helpers import ids
+from tests.helpers import ids, tiny_lm
 
 
 def kernel(h: int = 3, d: int = 8, fractions=None, **options) -> AdaptiveSpan:
@@ -163,12 +163,9 @@ def test_causal_later_keys_change_nothing_before_them():
         assert not torch.allclose(out2[:, :, t + 1:], out[:, :, t + 1:])
 
 
-def lm(max_mem_len: int = 0, **keywords) -> TransformerWrapper:
-    torch.manual_seed(0)
-    layers = Decoder(dim=32, depth=2, heads=4, rotary_pos_emb=True, attn_adaptive_span=8, attn_adaptive_span_ramp=2,
-                     **keywords)
-    return TransformerWrapper(num_tokens=64, max_seq_len=32, attn_layers=layers, use_abs_pos_emb=False,
-                             max_mem_len=max_mem_len).eval()
+def lm(**keywords) -> TransformerWrapper:
+    return tiny_lm(seed=0, use_abs_pos_emb=False, rotary_pos_emb=True, attn_adaptive_span=8, attn_adaptive_span_ramp=2,
+                   **keywords)
 
 
 def test_l1_term_is_its_formula_and_reaches_the_autoregressive_loss():

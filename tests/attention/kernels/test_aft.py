@@ -2,7 +2,7 @@
 paper's formula evaluated explicitly in float64 (conv through its own convolution form), full with
 zero biases is simple, local is full with the biases outside the window zeroed, inputs scaled x100
 stay finite and exact, nothing a query computes depends on later keys, one query at a time equals
-the whole sequence, biases follow each row's positions, and bad options are refused by name."""
+the whole sequence, biases follow each row's positions (gaps included), and bad options are refused by name."""
 
 from __future__ import annotations
 
@@ -97,6 +97,17 @@ SHAPES = [(9, 9, 0), (4, 9, 2), (1, 9, 2)]     # (queries, positioned keys, memo
 def test_every_mode_equals_its_formula(mode, causal, i, n, free):
     kernel = make(mode, causal)
     q, kv, q_pos = inputs(i, n, free)
+    expected = formula(q, kv, biases(kernel, kv, q_pos), causal)
+    assert_close(kept(run(kernel, q, kv, q_pos), kv), kept(expected, kv).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full", "local", "conv"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_biases_follow_positions_with_gaps(mode, causal):
+    """Positions 0, 2, 4, ...: the window and the biases are offsets of positions, not of indices."""
+    kernel = make(mode, causal)
+    q, kv, q_pos = inputs(6, 9, 2)
+    kv, q_pos = KV(kv.k, kv.v, kv.pos * 2, kv.mask, kv.free), q_pos * 2
     expected = formula(q, kv, biases(kernel, kv, q_pos), causal)
     assert_close(kept(run(kernel, q, kv, q_pos), kv), kept(expected, kv).float(), atol=1e-5, rtol=1e-5)
 

@@ -158,13 +158,16 @@ def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
         gated.gate_bias.fill_(40.0)                      # g = σ(40): log g ≈ -4e-18
     assert_close(gated(q, kv, **kw).out, plain(q, kv, **kw).out)
     with torch.no_grad():
-        gated.gate_bias.fill_(-1.0)
-    # explicit recurrence S_t = g S_(t-1) + (1 - g) φ(k_t) v_tᵀ, z alike, out = φ(q)ᵀS / φ(q)ᵀz
+        gated.gate_weight.copy_(torch.randn(2, 8, dtype=torch.float64))
+        gated.gate_bias.copy_(torch.tensor([-1.0, 0.5]))
+    # explicit recurrence S_t = g_t S_(t-1) + (1 - g_t) φ(k_t) v_tᵀ, z alike, out = φ(q)ᵀS / φ(q)ᵀz,
+    # g_t = σ(w·k_t + b) per head
     fq, fk = gated.feature.query(q), gated.feature.query(k)
-    g = torch.sigmoid(torch.tensor(-1.0, dtype=torch.float64))
+    gates = torch.sigmoid(k @ gated.gate_weight.detach()[:, :, None] + gated.gate_bias.detach()[:, None, None])
     S, z, outs = 0, 0, []
     for t in range(13):
-        S = g * S + (1 - g) * fk[:, :, t, :, None] * v[:, :, t, None, :]
+        g = gates[:, :, t]                                                  # (b, h, 1)
+        S = g[..., None] * S + (1 - g[..., None]) * fk[:, :, t, :, None] * v[:, :, t, None, :]
         z = g * z + (1 - g) * fk[:, :, t]
         outs.append((fq[:, :, t, None, :] @ S)[:, :, 0] / (fq[:, :, t] * z).sum(-1, keepdim=True))
     assert_close(gated(q, kv, **kw).out, torch.stack(outs, 2))

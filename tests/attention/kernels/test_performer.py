@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from polyformer import Decoder
@@ -39,6 +41,31 @@ def test_random_fourier_features_estimate_the_gaussian_kernel():
     xn, yn = torch.nn.functional.normalize(x, dim=-1), torch.nn.functional.normalize(y, dim=-1)
     exact = (-(xn - yn).square().sum(-1) / (2 * 0.8 ** 2)).exp()
     assert ((fx * fy).sum(-1) - exact).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("kind", ["softmax", "relu"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_kernel_equals_its_formula_with_the_features_written_out(kind, causal):
+    """out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j) over the keys i sees, φ FAVOR+'s positive
+    features (or relu(ωᵀx̃) / √m) on the kernel's own ω: its stabilising shifts cancel exactly."""
+    d, m, n = 8, 12, 11
+    spec = KernelSpec(heads=2, kv_heads=2, dim_qk=d, dim_v=d, causal=causal, layer=0, scale=d ** -0.5,
+                      options=PerformerOptions(features=m, kernel=kind, chunk=4))
+    kernel = KERNELS["performer"](spec).double()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    omega = kernel.feature.omega
+    if kind == "softmax":
+        fq, fk = positive_features(q, omega), positive_features(k, omega)
+    else:
+        fq, fk = (F.relu(x * d ** -0.25 @ omega.T) / math.sqrt(m) for x in (q, k))
+    scores = fq @ fk.transpose(-1, -2)
+    if causal:
+        scores = scores.tril()
+    out = kernel(q, KV(k, v, torch.arange(n)[None], None), q_pos=torch.arange(n)[None], causal=causal, memory=None,
+                 need_weights=False).out
+    den = scores.sum(-1, keepdim=True)                  # relu: 0 where a query's features meet no key's
+    assert_close(out, scores @ v / torch.where(den > 0, den, 1.0), rtol=1e-5, atol=1e-7)
 
 
 def mse_against_softmax(m: int, orthogonal: bool, seed: int) -> float:
@@ -78,7 +105,7 @@ def test_features_are_redrawn_only_on_schedule():
     stack(x)
     with torch.no_grad():
         stack.train()(x)
-    assert torch.equal(before, favor.omega)             # evaluation and no-grad forwards never count
+    assert torch.equal(before, favor.omega) and int(favor.calls) == 7     # evaluation and no-grad forwards never count
     again = Favor(64, 8, "softmax", True, redraw=3, seed=0, layer=0)     # the head size, 8 features
     again.load_state_dict(favor.state_dict())
     assert torch.equal(again.omega, favor.omega) and int(again.draws) == 2    # a checkpoint keeps its draw

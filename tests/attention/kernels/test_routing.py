@@ -1,9 +1,10 @@
 """Routing attention (kernels/routing.py, kmeans.py): one cluster with a window covering the sequence
 is full (causal) attention and the local heads are attn_window's rule; a query sees keys of its own
 cluster only, in its chunk and the previous one; assignment is to the nearest centroid; centroids move
-by the EMA rule, in training only (and a recomputation inside backward routes as its forward did); the
-commitment loss is its formula and reaches the wrapper's record and AutoregressiveWrapper's loss;
-causal routing leaks nothing from the future; bad options are refused by name."""
+by the EMA rule, in differentiated training forwards only (a recomputation inside backward, by gradient
+checkpointing or reversible layers, routes as its forward did); the commitment loss is its formula and
+reaches the wrapper's record and AutoregressiveWrapper's loss; causal routing leaks nothing from the
+future; bad options are refused by name."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from polyformer import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
+from polyformer import AutoregressiveWrapper, Decoder, Encoder
 from polyformer.attention.kernels.kmeans import OnlineKmeans, unit
 from polyformer.attention.kernels.routing import Routing, RoutingOptions
 from polyformer.interfaces import KV, KernelSpec
 from polyformer.keywords import parse_layers
-from tests.helpers import ids
+from tests.helpers import ids, tiny_lm
 
 
 def kernel(h: int = 2, d: int = 8, causal: bool = True, window_heads: int | None = None, **options) -> Routing:
@@ -67,12 +68,9 @@ def test_one_cluster_decoder_equals_the_dense_decoder_with_memory_key_values():
     """Through a whole model: the routed heads with one cluster are the dense stack, memory key / values
     (seen beside every cluster, merged by log-sum-exp) included."""
     x = ids(2, 12)
-    torch.manual_seed(0)
-    base = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Decoder(
-        dim=32, depth=2, heads=4, attn_num_mem_kv=2, rotary_pos_emb=True)).eval()
-    routed = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Decoder(
-        dim=32, depth=2, heads=4, attn_num_mem_kv=2, rotary_pos_emb=True, attn_routing=True,
-        attn_routing_clusters=1, attn_routing_window=16)).eval()
+    base = tiny_lm(max_seq_len=16, seed=0, attn_num_mem_kv=2, rotary_pos_emb=True)
+    routed = tiny_lm(max_seq_len=16, attn_num_mem_kv=2, rotary_pos_emb=True, attn_routing=True,
+                     attn_routing_clusters=1, attn_routing_window=16)
     missing = routed.load_state_dict(base.state_dict(), strict=False).missing_keys
     assert all(name.endswith("kmeans.centroids") for name in missing) and missing
     assert_close(routed(x), base(x), atol=1e-5, rtol=1e-5)
@@ -178,10 +176,8 @@ def test_commitment_loss_reaches_the_record_and_the_autoregressive_loss():
     x = ids(2, 12)
     nets = []
     for w in (0.0, 0.3):
-        torch.manual_seed(0)
-        nets.append(TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Decoder(
-            dim=32, depth=2, heads=4, attn_routing=True, attn_routing_clusters=2, attn_routing_window=4,
-            attn_routing_commitment=w)).eval())
+        nets.append(tiny_lm(max_seq_len=16, seed=0, attn_routing=True, attn_routing_clusters=2,
+                            attn_routing_window=4, attn_routing_commitment=w))
     _, record = nets[0](x[:, :-1], return_intermediates=True)
     term = record.losses.terms["routing_commitment"]
     assert term > 0 and record.losses.weights["routing_commitment"] == 0.0
@@ -204,31 +200,35 @@ def test_causal_routing_leaks_no_future():
         assert not torch.allclose(changed[:, :, t + 1:], out[:, :, t + 1:])
 
 
-def test_eval_is_deterministic_and_only_training_moves_centroids():
-    torch.manual_seed(0)
-    model = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Encoder(
-        dim=32, depth=1, heads=4, attn_routing=True, attn_routing_clusters=3, attn_routing_window=4)).eval()
+def test_eval_is_deterministic_and_only_differentiated_training_forwards_move_centroids():
+    model = tiny_lm(Encoder, max_seq_len=16, depth=1, seed=0, attn_routing=True, attn_routing_clusters=3,
+                    attn_routing_window=4)
     centroids = model.attn_layers.blocks[0].branch.kernel.kmeans.centroids
     before = centroids.clone()
     x = ids(2, 12)
     assert torch.equal(model(x), model(x))
     assert torch.equal(centroids, before)
     model.train()
+    with torch.no_grad():                   # a training forward autograd will not differentiate
+        model(x)
+    assert torch.equal(centroids, before)
     model(x)
     assert not torch.equal(centroids, before)
 
 
-def test_a_recomputation_in_backward_routes_with_the_centroids_of_its_forward():
-    """Gradient checkpointing recomputes each block inside backward, after the centroids moved: the
-    gradients equal those of the plain stack, and the centroids move once (decay 0.5: big moves)."""
+@pytest.mark.parametrize("policy", ["gradient_checkpointing", "reversible"])
+def test_a_recomputation_in_backward_routes_with_the_centroids_of_its_forward(policy):
+    """Gradient checkpointing and reversible layers recompute each block inside backward, after the
+    centroids moved: the gradients equal those of the stack run without recomputation (checkpointing off;
+    the reversible pairs as a plain loop, which return_attn takes), and the centroids move once (decay 0.5:
+    big moves)."""
     x = ids(2, 12)
     grads, centroids = [], []
-    for ckpt in (False, True):
-        torch.manual_seed(0)
-        model = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Decoder(
-            dim=32, depth=2, heads=4, attn_routing=True, attn_routing_clusters=3, attn_routing_window=2,
-            attn_routing_decay=0.5, gradient_checkpointing=ckpt)).train()
-        model(x).logsumexp(-1).mean().backward()
+    for recompute in (False, True):
+        model = tiny_lm(max_seq_len=16, seed=0, attn_routing=True, attn_routing_clusters=3, attn_routing_window=2,
+                        attn_routing_decay=0.5, **{policy: recompute or policy == "reversible"}).train()
+        out = model(x, return_attn=not recompute)
+        (out[0] if not recompute else out).logsumexp(-1).mean().backward()
         grads.append([p.grad for p in model.parameters()])
         centroids.append([b.kmeans.centroids for b in model.modules() if isinstance(b, Routing)])
     for a, b in zip(*grads):
@@ -280,10 +280,8 @@ def test_return_attn_weights_give_the_output():
 def test_bfloat16_model_keeps_float32_centroids_that_move():
     """A cast keeps the centroids in float32: one EMA step (1e-3 of a unit vector) is below bfloat16's
     resolution, so bfloat16 centroids would never move."""
-    torch.manual_seed(0)
-    model = TransformerWrapper(num_tokens=64, max_seq_len=16, attn_layers=Decoder(
-        dim=32, depth=1, heads=4, attn_routing=True, attn_routing_clusters=3, attn_routing_window=4))
-    model = model.to(torch.bfloat16).train()
+    model = tiny_lm(max_seq_len=16, depth=1, seed=0, attn_routing=True, attn_routing_clusters=3,
+                    attn_routing_window=4).to(torch.bfloat16).train()
     centroids = model.attn_layers.blocks[0].branch.kernel.kmeans.centroids
     before = centroids.clone()
     logits = model(ids(2, 12))

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from polyformer import Decoder, Encoder, TransformerWrapper
+from polyformer import Decoder, Encoder
 from polyformer.attention.kernels.sinkhorn import Sinkhorn, SinkhornOptions
 from polyformer.attention.kernels.sortnet import balance
 from polyformer.interfaces import KV, KernelSpec
-from tests.helpers import ids
+from tests.helpers import ids, tiny_lm
 
 
 def kernel(causal: bool = False, size: int = 4, heads: int = 2, kv_heads: int | None = None, d: int = 8,
@@ -293,7 +293,6 @@ def test_bad_options_are_refused_by_name(stack, keywords, match):
 
 
 def test_return_attn_is_refused_by_name():
-    model = TransformerWrapper(num_tokens=16, max_seq_len=16, attn_layers=Decoder(dim=16, depth=1, heads=2,
-                                                                                  attn_sinkhorn=True))
+    model = tiny_lm(num_tokens=16, max_seq_len=16, dim=16, depth=1, heads=2, attn_sinkhorn=True)
     with pytest.raises(ValueError, match="attn_sinkhorn"):
         model(ids(1, 8, num_tokens=16), return_attn=True)
