@@ -137,6 +137,20 @@ class LayersConfig:
             return ("a",) * s + block * (self.depth - s) + ("f",) * s
         return block * self.depth
 
+    @property
+    def layout_keyword(self) -> str:
+        """The keyword that made `layout` what it is, for messages: "custom_layers", "gau=True", ..."""
+        if self.custom_layers is not None:
+            return "custom_layers"
+        if self.mixer is not None and "f" not in self.layout:
+            from .attention.kernels.direct import switch
+
+            return f"{switch('mixer.', self.mixer.name)}=True"
+        for name in ("only_cross", "cross_attend", "macaron"):
+            if getattr(self, name):
+                return f"{name}=True"
+        return f"sandwich_coef={self.sandwich_coef}" if self.sandwich_coef else "the layout"
+
 
 def to_dict(cfg: Any) -> dict:
     """A JSON-ready dict of a config (nested configs become nested dicts)."""

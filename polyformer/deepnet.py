@@ -94,7 +94,7 @@ def problems(cfg: LayersConfig) -> list[str]:
     layers = paper_layers(cfg.layout)
     if layers is None:
         found.append(f"deepnorm=True counts depth in the paper's layers (one self-attention and one feedforward "
-                     f"block each, plus one cross-attention block in a cross-attending decoder); {_layout_keyword(cfg)} "
+                     f"block each, plus one cross-attention block in a cross-attending decoder); {cfg.layout_keyword} "
                      f"makes the layout {''.join(cfg.layout)!r}, not made of them")
     if depths is not None:
         if not isinstance(depths, tuple) or len(depths) != 2 or any(whole(d, "deepnorm_depths") for d in depths):
@@ -105,17 +105,6 @@ def problems(cfg: LayersConfig) -> list[str]:
             if own != layers:
                 found.append(f"deepnorm_depths={depths} gives the {side} {own} layers, but this stack has {layers}")
     return found
-
-
-def _layout_keyword(cfg: LayersConfig) -> str:
-    """The keyword that made the layout what it is."""
-    if cfg.custom_layers is not None:
-        return f"custom_layers={cfg.custom_layers!r}"
-    if cfg.mixer is not None and "f" not in cfg.layout:
-        from .attention.kernels.direct import switch
-
-        return f"{switch('mixer.', cfg.mixer.name)}=True"
-    return "macaron=True" if cfg.macaron else "only_cross=True" if cfg.only_cross else "the layout"
 
 
 def xavier_normal_rows_(weight: Tensor, parts: tuple[int, ...], gains: tuple[float, ...]) -> None:

@@ -116,9 +116,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     layout, depth = cfg.layout, cfg.depth
     unit = len(layout) // depth
     if len(layout) % depth or layout != layout[:unit] * depth:
-        made = ("custom_layers" if cfg.custom_layers is not None else "sandwich_coef" if cfg.sandwich_coef
-                else "the layout")
-        found.append(f"hourglass splits the stack into layers of one repeating unit; {made} makes the layout "
+        found.append(f"hourglass splits the stack into layers of one repeating unit; {cfg.layout_keyword} makes the layout "
                      f"{''.join(layout)!r}, which is not {depth} of one")
     if cfg.reversible:
         found.append("hourglass cannot combine with reversible=True: the two streams cannot pass the shortening")

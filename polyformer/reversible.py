@@ -69,20 +69,11 @@ def merge(y1: Tensor, y2: Tensor, how: str = "mean") -> Tensor:
 
 
 def branch(block: "Block", x: Tensor, ctx: Context, whole: bool = True) -> tuple[Tensor, AttnOut | None]:
-    """What `block` adds to the stream it joins, computed from x (b, n, dim): pre-norm, token shift, the
-    branch, sandwich norm. `whole=False` runs a feedforward on x as one piece (ff_chunks' pieces)."""
-    h = block.norm_in(x) if block.norm_in is not None else x
-    if block.shift is not None:
-        h = block.shifted(h, ctx.state) if ctx.state is not None else block.shift(h, ctx.shift_mask)
-    attn = None
-    if block.kind == "f":
-        y = block.branch(h) if whole else block.branch.dense(h)
-    else:
-        attn = block.branch(h, ctx, None)
-        y = attn.out
-    if block.norm_out is not None:
-        y = block.norm_out(y)
-    return y, attn
+    """What `block` adds to the stream it joins, computed from x (b, n, dim): `Block.step` and the sandwich
+    norm (no scale, residual or post-norm: `problems` refuses them). `whole=False`: a feedforward on x as
+    one piece (ff_chunks' pieces)."""
+    y, attn, _ = block.step(x, ctx, None, whole)
+    return (block.norm_out(y) if block.norm_out is not None else y), attn
 
 
 def forward(stack: "AttentionLayers", x: Tensor, ctx: Context, record: "Intermediates", keep: bool) -> Tensor:
@@ -287,7 +278,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     layout = cfg.layout
     if layout != ("a", "f") * (len(layout) // 2) or not layout:
         found.append(f"reversible=True needs a layout of attention / feedforward pairs ('a', 'f' repeated); "
-                     f"{_layout_keyword(cfg)} makes it {''.join(layout)!r}")
+                     f"{cfg.layout_keyword} makes it {''.join(layout)!r}")
     if cfg.residual != "add":
         named = {"rezero": "use_rezero", "gru": "gate_residual", "deepnorm": "deepnorm"}.get(cfg.residual, f"residual {cfg.residual!r}")
         found.append(f"reversible=True needs plain residual addition (y1 = x1 + Attn(x2)); {named} changes it")
@@ -301,19 +292,3 @@ def problems(cfg: "LayersConfig") -> list[str]:
         found.append("reversible=True recomputes each pair on its own in the backward; residual_attn=True "
                      "carries attention scores from block to block")
     return found
-
-
-def _layout_keyword(cfg: "LayersConfig") -> str:
-    """The keyword that made the layout what it is."""
-    if cfg.custom_layers is not None:
-        return f"custom_layers={cfg.custom_layers!r}"
-    for name in ("only_cross", "cross_attend", "macaron"):
-        if getattr(cfg, name):
-            return f"{name}=True"
-    if cfg.sandwich_coef:
-        return f"sandwich_coef={cfg.sandwich_coef}"
-    if cfg.mixer is not None:
-        from .attention.kernels.direct import switch
-
-        return f"{switch('mixer.', cfg.mixer.name)}=True (its block is its own feedforward)"
-    return "the layout"

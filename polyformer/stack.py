@@ -66,16 +66,21 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None
                 ) -> tuple[Tensor, AttnOut | None, Tensor]:
+        y, attn, h = self.step(x, ctx, prev_scores)
+        return self.join(x, y), attn, h
+
+    def step(self, x: Tensor, ctx: Context, prev_scores: Tensor | None, whole: bool = True
+             ) -> tuple[Tensor, AttnOut | None, Tensor]:
+        """The branch on the stream x: (its output y before the residual, its AttnOut or None, the input h
+        it read after the norm and token shift). `whole=False` runs a feedforward on x as one piece even
+        with ff_chunks (a reversible backward recomputes it piece by piece itself)."""
         h = self.norm_in(x) if self.norm_in is not None else x
         if self.shift is not None:
             h = self.shifted(h, ctx.state) if ctx.state is not None else self.shift(h, ctx.shift_mask)
-        attn = None
         if self.kind == "f":
-            y = self.branch(h)
-        else:
-            attn = self.branch(h, ctx, prev_scores)
-            y = attn.out
-        return self.join(x, y), attn, h
+            return (self.branch(h) if whole else self.branch.dense(h)), None, h
+        attn = self.branch(h, ctx, prev_scores)
+        return attn.out, attn, h
 
     def shifted(self, h: Tensor, state: DecodeState) -> Tensor:
         """Token shift while decoding: it reaches back into earlier steps' inputs, kept in the state."""
@@ -149,7 +154,7 @@ class AttentionLayers(nn.Module):
             self.shared_bias = bias_cls(a.heads, cfg.causal, a.rel_pos_num_buckets, a.rel_pos_max_distance)
         else:
             self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
-        layout = universal.unit(cfg) if cfg.universal else cfg.layout   # universal: one shared unit
+        layout = universal.unit(cfg)        # the layout as built (universal=True: one shared unit)
         shifts = cfg.shift_tokens if isinstance(cfg.shift_tokens, tuple) else (cfg.shift_tokens,) * len(layout)
         norm_cls = NORM[cfg.norm].build
 
@@ -195,8 +200,7 @@ class AttentionLayers(nn.Module):
         """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
         positions and the last `span` ones (a causal window, perhaps with sinks): a decode state then
         keeps just those (`window`, read by generation at every step). None otherwise."""
-        stages = [getattr(b.branch, "pattern", None) or getattr(getattr(b.branch, "kernel", None), "decode_window", None)
-                  for b in self.blocks if b.kind == "a"]    # a direct kernel may declare one (adaptive span)
+        stages = [getattr(b.branch, "decode_window", None) for b in self.blocks if b.kind == "a"]   # mixers: None
         if not stages or any(s is None or s.decode != "window" for s in stages):
             return None
         return max(s.sinks for s in stages), max(s.span for s in stages)    # blocks may differ (attn_per_layer)
@@ -301,14 +305,14 @@ class AttentionLayers(nn.Module):
         keep = return_intermediates or return_attn      # else hold no block's input past its use
         record = Intermediates(losses=ctx.losses)
         prev = {"a": None, "c": None}
-        blocks = self.blocks
-        if self.cfg.reversible:         # a depth policy (reversible.py): the pairs run there, not below
-            x, blocks = reversible.forward(self, x, ctx, record, keep), ()
-        if self.universal is not None:  # a depth policy (universal.py): the shared blocks run depth times there
-            x, blocks = self.universal(self, x, ctx, record, keep), ()
-        if self.hourglass is not None:  # a depth policy (hourglass.py): the blocks run at their resolutions there
-            x, blocks = self.hourglass(self, x, ctx, record, keep, prefix), ()
-        x = self.run_blocks(blocks, x, ctx, record, keep, prev)
+        if self.cfg.reversible:             # depth policies (at most one) run the blocks themselves
+            x = reversible.forward(self, x, ctx, record, keep)          # as attention / feedforward pairs
+        elif self.universal is not None:
+            x = self.universal(self, x, ctx, record, keep)              # one unit, depth times or until halted
+        elif self.hourglass is not None:
+            x = self.hourglass(self, x, ctx, record, keep, prefix)      # at their resolutions
+        else:
+            x = self.run_blocks(self.blocks, x, ctx, record, keep, prev)
         if keep:
             record.hiddens.append(x)
         if state is not None:

@@ -137,7 +137,7 @@ def test_init_of_cross_attention_in_an_encoder_decoder():
     (dict(gate_residual=True), "gate_residual"),
     (dict(macaron=True), "macaron=True makes the layout 'faffaf'"),
     (dict(gau=True), "gau=True makes the layout 'aa'"),
-    (dict(custom_layers=("a", "a", "f")), "custom_layers=('a', 'a', 'f') makes"),
+    (dict(custom_layers=("a", "a", "f")), "custom_layers makes the layout 'aaf'"),
     (dict(deepnorm_depths=(3, 2)), "deepnorm_depths=(3, 2) gives the encoder 3 layers, but this stack has 2"),
     (dict(deepnorm_depths=(0, 2)), "two positive integers"),
 ])

@@ -62,6 +62,12 @@ class Attention(nn.Module):
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
 
     @property
+    def decode_window(self) -> object | None:
+        """What limits the keys a decode step reads (`.decode == "window"`, `.sinks`, `.span`): the pattern
+        stage, or a direct kernel that declares one (adaptive span); None when every key stays."""
+        return self.pattern if self.pattern is not None else getattr(self.kernel, "decode_window", None)
+
+    @property
     def decode_kind(self) -> str:
         """What this block keeps in a decode state: "keys" or "recurrent" (memory/recurrent.py)."""
         return "recurrent" if self.kernel.caps.decode == "recurrent" else "keys"
