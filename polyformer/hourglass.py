@@ -48,7 +48,8 @@ from torch import Tensor, nn
 
 from .checks import whole
 from .interfaces import Context
-from .memory.hourglass_state import HourglassState, LevelView, alignment, at, least, most, storage
+from .memory.hourglass_state import HourglassState, alignment, at, least, most, storage
+from .memory.kv_cache import StateView
 
 if TYPE_CHECKING:
     from .config import LayersConfig
@@ -223,7 +224,7 @@ class Hourglass(nn.Module):
               keep: bool, prefix: int) -> Tensor:
         """Level i on its input x (b, n, dim); ctx.state is the level's own state."""
         lv = self.levels[i]
-        local = ctx if ctx.state is None else replace(ctx, state=LevelView(ctx.state, self.layers[i]))
+        local = ctx if ctx.state is None else replace(ctx, state=StateView(ctx.state, self.layers[i].__getitem__))
         prev: dict[str, Tensor | None] = {"a": None, "c": None}     # residual scores stay at their resolution
         x = stack.run_blocks([stack.blocks[j] for j in lv.pre], x, local, record, keep, prev)
         if lv.factor is not None:

@@ -23,12 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from . import act
-from .interfaces import KV, Context
+from .interfaces import Context
+from .memory.kv_cache import StateView
 
 if TYPE_CHECKING:
     from .config import LayersConfig
-    from .memory.kv_cache import DecodeState
-    from .memory.recurrent import Recurrent
     from .stack import AttentionLayers, Intermediates
 
 
@@ -49,29 +48,6 @@ def coordinate_embedding(pos: Tensor, step: int, dim: int) -> Tensor:
     at = pos.to(torch.float32)[..., None] * freq
     t = step * freq
     return torch.stack((at.sin() + t.sin(), at.cos() + t.cos()), dim=-1).flatten(-2)[..., :dim]
-
-
-class StepState:
-    """A decode state as application `t` of the unit sees it: the unit's self-attention layers and token-shift
-    blocks offset by t units' worth, so each application keeps keys (and shifted inputs) of its own."""
-
-    def __init__(self, state: "DecodeState", layer0: int, block0: int):
-        self._state, self._layer0, self._block0 = state, layer0, block0
-
-    def attend(self, layer: int, kv: KV) -> KV:
-        return self._state.attend(self._layer0 + layer, kv)
-
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self._state.write(self._layer0 + layer, k, v)
-
-    def recurrent(self, layer: int) -> "Recurrent":
-        return self._state.recurrent(self._layer0 + layer)
-
-    def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
-        return self._state.shift_window(self._block0 + block, h, reach)
-
-    def __getattr__(self, name: str) -> object:     # positions, length, padding, context keys: shared
-        return getattr(self._state, name)
 
 
 class Universal(nn.Module):
@@ -120,7 +96,7 @@ class Universal(nn.Module):
         u = self.self_attn
         changes: dict[str, object] = {}
         if ctx.state is not None:
-            changes["state"] = StepState(ctx.state, t * u, t * blocks)
+            changes["state"] = StateView(ctx.state, lambda layer: t * u + layer, t * blocks)
         if ctx.mems is not None:
             changes["mems"] = ctx.mems[t * u:(t + 1) * u]
             if ctx.mem_masks is not None:       # masks are kept per layer in the memo: a fresh one

@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..interfaces import KV
 from .kv_cache import DecodeState
-from .recurrent import Recurrent
 
 
 def alignment(keep: Tensor | None, prefix: int, total: int, factor: int) -> tuple[Tensor | int, Tensor | int]:
@@ -135,24 +133,3 @@ class HourglassState(DecodeState):
             return super().nbytes()
         return (super().nbytes() + self.child.nbytes()
                 + sum(t.numel() * t.element_size() for t in (self.feats, self.shorts)))
-
-
-class LevelView:
-    """A level's `HourglassState` as its blocks see it: self-attention layers by their index in the stack
-    (`layers`: stack index -> the level's own); token-shift inputs, positions, padding and context keys are
-    the level's."""
-
-    def __init__(self, state: HourglassState, layers: dict[int, int]):
-        self._state, self._layers = state, layers
-
-    def attend(self, layer: int, kv: KV) -> KV:
-        return self._state.attend(self._layers[layer], kv)
-
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self._state.write(self._layers[layer], k, v)
-
-    def recurrent(self, layer: int) -> Recurrent:
-        return self._state.recurrent(self._layers[layer])
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._state, name)

@@ -4,6 +4,8 @@ keys an uncached forward would."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -205,3 +207,28 @@ class DecodeState:
         tensors = [self.k, self.v, self.pos, self.mask, *self.shift.values()]
         return (sum(t.numel() * t.element_size() for t in tensors)
                 + sum(m.nbytes() for m in self.recurrent_layers.values()))
+
+
+class StateView:
+    """A decode state as one group of blocks sees it, its layers renumbered: the group's self-attention
+    layer l is the state's `layer(l)` and its token-shift block b the state's `block0 + b` (the applications
+    of a Universal Transformer's unit, an hourglass level); positions, padding and context keys are the
+    state's own."""
+
+    def __init__(self, state: "DecodeState", layer: Callable[[int], int], block0: int = 0):
+        self._state, self._layer, self._block0 = state, layer, block0
+
+    def attend(self, layer: int, kv: KV) -> KV:
+        return self._state.attend(self._layer(layer), kv)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self._state.write(self._layer(layer), k, v)
+
+    def recurrent(self, layer: int) -> Recurrent:
+        return self._state.recurrent(self._layer(layer))
+
+    def shift_window(self, block: int, h: Tensor, reach: int) -> tuple[Tensor, Tensor]:
+        return self._state.shift_window(self._block0 + block, h, reach)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._state, name)
