@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
 
     from polyformer import AutoregressiveWrapper, speculative_generate
-    from polyformer.train.trainer import load_run
+    from polyformer.train.commands import load_run
 
     _, target, data = load_run(args.target)
     _, draft, _ = load_run(args.draft)

@@ -11,6 +11,7 @@ LAYER_OPTIONS: dict[str, dict] = {
     "alibi_pos_emb": dict(alibi_pos_emb=True),
     "alibi_num_heads": dict(alibi_pos_emb=True, alibi_num_heads=2),
     "rotary_pos_emb": dict(rotary_pos_emb=True),
+    "axial_pos_emb": dict(axial_pos_emb=(4, 8), axial_pos_emb_dims=(12, 20)),
     "rotary_partial_interleaved": dict(rotary_pos_emb=True, rotary_emb_dim=4, rotary_interleaved=True),
     "position_infused_attn": dict(position_infused_attn=True),
     "scaled_sinu_pos_emb": dict(scaled_sinu_pos_emb=True),

@@ -21,7 +21,6 @@ from torch import nn
 
 from ..losses import loss_names
 from .checkpoint import checkpoint_step, load_checkpoint, resume_checkpoint, save_checkpoint
-from .commands import evaluate_run, generate, load_model, load_run  # noqa: F401  (their old home)
 from .distributed import Gathered, join, leave, shard
 from .logs import TRAIN_FIELDS, CSVLog, TensorBoardLog, plot_losses
 from .progress import progress_bar

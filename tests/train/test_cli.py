@@ -20,7 +20,7 @@ from polyformer import Int8Linear
 from polyformer.layout import is_input_major
 from polyformer.train.sample import prepare_for_sampling
 from polyformer.train.tokenizer import BPETokenizer
-from polyformer.train.trainer import load_model, load_run
+from polyformer.train.commands import load_model, load_run
 
 TINY = ["--preset", "tiny", "--train.progress", "false", "--data.max_bytes", "40000",
         "--model.dim", "32", "--model.depth", "1", "--model.max_seq_len", "32"]
