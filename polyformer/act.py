@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from .checks import values_hidden, whole
+from .checks import number, values_hidden, whole
 from .interfaces import Context
 from .precision import upcast
 
@@ -53,11 +53,11 @@ def problems(options: ActOptions) -> list[str]:
     """What is wrong with the ACT keywords' values, each naming its keyword."""
     found = []
     t = options.threshold
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
+    if not number(t) or not 0 < t < 1:
         found.append(f"act_threshold must be a number in (0, 1) (it is 1 - eps), got {t!r}")
     found += whole(options.max_steps, "act_max_steps", optional=True)
     w = options.ponder_weight
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+    if not number(w) or w < 0:
         found.append(f"act_ponder_weight must be a number >= 0, got {w!r}")
     return found
 

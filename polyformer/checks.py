@@ -8,6 +8,8 @@ Python branch on a tensor's value would break the graph, and `torch.func.vmap` c
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +35,12 @@ def whole(value: object, name: str, low: int = 1, optional: bool = False) -> lis
     if (optional and value is None) or (isinstance(value, int) and not isinstance(value, bool) and value >= low):
         return []
     return [f"{name} must be an integer >= {low}{' (or None)' if optional else ''}, got {value!r}"]
+
+
+def number(value: object) -> bool:
+    """Whether value is a finite real number (an int or float, not a bool): for the `check` of a variant's
+    options, before comparing it with its range."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def tensor(name: str, x: object) -> Tensor:

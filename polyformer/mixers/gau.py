@@ -87,7 +87,7 @@ class GatedAttentionUnit(nn.Module):
 
         found = checks.whole(options.chunk, "gau_chunk", optional=True) + checks.whole(options.qk_dim, "gau_qk_dim")
         x = options.expansion
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 or width(cfg.dim, x) < 1:
+        if not checks.number(x) or x <= 0 or width(cfg.dim, x) < 1:
             found.append(f"gau_expansion must be a number > 0 with expansion · dim >= 1, got {x!r}")
         if cfg.custom_layers is not None or cfg.macaron or cfg.sandwich_coef:
             found.append("gau stacks gated attention units alone (each is attention and feedforward in one): it "

@@ -40,10 +40,6 @@ LOSS = "adaptive_span"
 HIDDEN = -1e30      # the logit of a key that weighs nothing: finite, so a row that sees nothing stays finite
 
 
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True)
 class AdaptiveSpanOptions:
     span: int                       # S: the largest span a head can learn
@@ -119,9 +115,9 @@ class AdaptiveSpan(nn.Module):
     def check(options: AdaptiveSpanOptions, cfg: LayersConfig) -> list[str]:
         found = checks.whole(options.span, "attn_adaptive_span")
         found += checks.whole(options.ramp, "attn_adaptive_span_ramp")
-        if not _number(options.loss) or options.loss < 0:
+        if not checks.number(options.loss) or options.loss < 0:
             found.append(f"attn_adaptive_span_loss must be a number >= 0, got {options.loss!r}")
-        if not _number(options.init) or not 0 <= options.init <= 1:
+        if not checks.number(options.init) or not 0 <= options.init <= 1:
             found.append(f"attn_adaptive_span_init must be a number in [0, 1] (a fraction of the span), "
                          f"got {options.init!r}")
         return found

@@ -40,10 +40,6 @@ from .kmeans import OnlineKmeans
 LOSS = "routing_commitment"
 
 
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True)
 class RoutingOptions:
     clusters: int = 16              # k; the paper takes k ~ sqrt(n) (n / k keys per cluster ~ window)
@@ -80,9 +76,9 @@ class Routing(nn.Module):
         if not wrong and options.heads is not None and options.heads > heads:
             wrong = [f"attn_routing_heads must be in [1, heads={heads}], got {options.heads}"]
         found += wrong
-        if not _number(options.decay) or not 0 < options.decay < 1:
+        if not checks.number(options.decay) or not 0 < options.decay < 1:
             found.append(f"attn_routing_decay must be a number in (0, 1), got {options.decay!r}")
-        if not _number(options.commitment) or options.commitment < 0:
+        if not checks.number(options.commitment) or options.commitment < 0:
             found.append(f"attn_routing_commitment must be a number >= 0, got {options.commitment!r}")
         if cfg.attention.dropout:
             found.append("attn_dropout cannot combine with attn_routing: its bucketed attention has no dropout")

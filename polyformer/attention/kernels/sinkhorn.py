@@ -24,7 +24,6 @@ earlier blocks only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +93,7 @@ class Sinkhorn(nn.Module):
         found = checks.whole(options.bucket_size, "attn_sinkhorn_bucket_size")
         found += checks.whole(options.iters, "attn_sinkhorn_iters")
         t = options.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+        if not checks.number(t) or t <= 0:
             found.append(f"attn_sinkhorn_temperature must be a finite number > 0, got {t!r}")
         found += checks.whole(options.sortcut, "attn_sinkhorn_sortcut", optional=True)
         if options.sortcut is not None and cfg.causal:
