@@ -136,16 +136,13 @@ class Attention(nn.Module):
             return AttnOut(block_sparse.attention(q, kv, ctx.pos, ctx.memo[key], kv.mask, bias,
                                                   self.kernel.scale, self.kernel.dropout))
         counts = self.pattern.counts(geo)                                     # (z, h, i, j)
-        keep = counts > 0
-        if kv.mask is not None:
-            keep = keep & kv.mask[:, None, None, :]
+        keep = self.pattern.visible(counts, kv)
         scores = bias(ctx.pos, kv.pos) if bias is not None else None
         if self.pattern.mixture:            # a key shown by c configurations weighs c times
             extra = upcast(counts.clamp(min=1).to(q.dtype)).log()
             scores = extra if scores is None else scores + extra
-        if kv.free:
-            keep = F.pad(keep, (kv.free, 0), value=True)
-            scores = F.pad(scores, (kv.free, 0)) if scores is not None else None
+        if kv.free and scores is not None:
+            scores = F.pad(scores, (kv.free, 0))
         return self.kernel(q, kv, mask=keep, bias=scores, causal=False, prev_scores=prev_scores,
                            need_weights=ctx.need_weights)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import checks
@@ -136,9 +135,6 @@ class Routing(nn.Module):
             out = block_sparse.attention(q, kv, q_pos, self.local.parts(geo), kv.mask, None, self.scale,
                                          self.no_dropout)
             return out, None
-        keep = self.local.counts(geo) > 0                                    # (z, l, i, j)
-        if kv.mask is not None:
-            keep = keep & kv.mask[:, None, None, :]
-        keep = F.pad(keep, (kv.free, 0), value=True)
+        keep = self.local.visible(self.local.counts(geo), kv)               # (z, l, i, free + j)
         weights = masked_softmax(upcast(q @ kv.k.transpose(-1, -2)) * self.scale, keep)
         return (weights.to(kv.v.dtype) @ kv.v).to(q.dtype), weights.to(q.dtype) if need_weights else None

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...config import Choice
+from ...interfaces import KV
 from .bigbird_blocks import BigBirdBlocks
 from .blocks import BlockLocal, Blockwise, Local2d
 from .globals import Global, GlobalOptions, Sinks
@@ -105,6 +107,14 @@ class PatternStage:
     def active(self, geo: Geometry) -> list:
         """The pieces that show anything in this forward (global tokens only with some to show)."""
         return [p for p in self.pieces if not isinstance(p, Global) or p.active(geo)]
+
+    def visible(self, counts: Tensor, kv: KV) -> Tensor:
+        """(z, h, i, free + j) bool from `counts`: the keys each query may see: shown by the pattern and
+        not padding; kv's `free` leading keys (persistent memory) by every query."""
+        keep = counts > 0
+        if kv.mask is not None:
+            keep = keep & kv.mask[:, None, None, :]
+        return F.pad(keep, (kv.free, 0), value=True) if kv.free else keep
 
     def counts(self, geo: Geometry) -> Tensor:
         """(z, h, i, j) int: how many times the pattern shows key j to query i (0 or 1, except in a
