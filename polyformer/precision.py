@@ -11,3 +11,6 @@ def upcast(x: Tensor) -> Tensor:
     softmax and rotary run in it, so low precision gains float32 and a float64 model stays float64
     (gradient checks and finite differences need every step in float64)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+HIDDEN = -1e30      # the score of a key a query may not see: finite, so a query that sees no key stays finite (no NaN)

@@ -32,12 +32,11 @@ from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
 from ...losses import AuxLosses
-from ...precision import upcast
+from ...precision import HIDDEN, upcast
 from ..patterns.layout import Geometry
 from .dense import match_heads
 
 LOSS = "adaptive_span"
-HIDDEN = -1e30      # the logit of a key that weighs nothing: finite, so a row that sees nothing stays finite
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...interfaces import KV
-from ...precision import upcast
+from ...precision import HIDDEN, upcast
 from ..patterns.layout import Pairs, Part, take
 from . import cpu
 
@@ -44,9 +44,6 @@ def banded(q: Tensor, k: Tensor, v: Tensor, part: Part) -> tuple[Tensor, Tensor,
         return t.unfold(2, K, Q)[:, :, :G].transpose(-1, -2)        # (b, h, G, K, d)
 
     return qg, windows(k), windows(v)
-
-
-HIDDEN = -1e30      # a hidden key's score: finite, so a query that sees nothing in a part stays finite
 
 
 def part_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, k_mask: Tensor | None,

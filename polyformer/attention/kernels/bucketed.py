@@ -23,13 +23,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...precision import upcast
+from ...precision import HIDDEN, upcast
 from .bucket_blocks import layout
 
 _SHIFT = 32                 # sort_key: bucket << 32 | position + 2**31
 _OFFSET = 1 << 31
 NO_BUCKET = 1 << 30         # masked keys: after every real bucket (bucket ids must be below it)
-HIDDEN = -1e30              # the score of a key a query does not see (finite: no NaN for a query that sees none)
 
 
 def sort_key(bucket: Tensor, pos: Tensor) -> Tensor:

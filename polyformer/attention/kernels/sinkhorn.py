@@ -33,10 +33,9 @@ from torch import Tensor, nn
 from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
-from ...precision import upcast
+from ...precision import HIDDEN, upcast
 from .sortnet import SortNet, block_means, gumbel, sinkhorn, supports
 
-MASKED = -1e30          # the score bias of a key a query may not see (finite: a query that may see no key stays finite)
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class Sinkhorn(nn.Module):
 
     def sorted_blocks(self, p_rows: Tensor, lay: Layout) -> tuple[Tensor, Tensor, Tensor | None]:
         """For rows (b, hk, r, L) of P: the sorted keys (b, hk, r, size, d), values, and each slot's score
-        bias (b, hk, r, size): the log-share of the row's mass on kept keys, MASKED where it has none. When
+        bias (b, hk, r, size): the log-share of the row's mass on kept keys, HIDDEN where it has none. When
         every slot is kept (`lay.full`) the share is 1 wherever the row has mass: no bias (None)."""
         b, hk, r, L = p_rows.shape
         size, tiny = self.size, torch.finfo(p_rows.dtype).tiny
@@ -174,7 +173,7 @@ class Sinkhorn(nn.Module):
         weight = mass.clamp(min=tiny)[..., None]
         sk, sv = ((p_rows @ x.reshape(b, hk, L, -1)).view(b, hk, r, size, -1) / weight for x in (lay.kb, lay.vb))
         share = torch.where(mass > 0, mass / total.clamp(min=tiny), 1.0)
-        return sk, sv, torch.where(mass > 0, share.log(), MASKED)
+        return sk, sv, torch.where(mass > 0, share.log(), HIDDEN)
 
     def attend(self, q: Tensor, lay: Layout, p: Tensor, kf: Tensor, vf: Tensor) -> Tensor:
         """Attention of the query blocks qa .. qa + U - 1 to their sorted and own blocks (or the SortCut
@@ -194,7 +193,7 @@ class Sinkhorn(nn.Module):
             rows = F.pad(p, (0, 0, 1, 0))[:, :, :L] if self.causal else p         # causal: block c takes row c - 1
             sk, sv, bias = self.sorted_blocks(rows[:, :, qa:qa + U], lay)
             if bias is None and self.causal and qa == 0:          # block 0 has no sorted block
-                bias = torch.where(torch.arange(U, device=q.device) > 0, 0.0, MASKED)[None, None, :, None]
+                bias = torch.where(torch.arange(U, device=q.device) > 0, 0.0, HIDDEN)[None, None, :, None]
             keys.append(sk), values.append(sv), biases.append(None if bias is None else bias[:, :, :, None])
             own = slice(qa * size, (qa + U) * size)
             keys.append(lay.kb[:, :, own].reshape(b, hk, U, size, -1))
@@ -203,7 +202,7 @@ class Sinkhorn(nn.Module):
             if self.causal:
                 tril = torch.ones(1, 1, 1, size, size, dtype=torch.bool, device=q.device).tril()
                 keep = tril if keep is None else keep & tril
-            biases.append(None if keep is None else torch.where(keep, 0.0, MASKED))
+            biases.append(None if keep is None else torch.where(keep, 0.0, HIDDEN))
         if kf.shape[2]:
             keys.append(kf[:, :, None].expand(-1, -1, U, -1, -1))
             values.append(vf[:, :, None].expand(-1, -1, U, -1, -1))
