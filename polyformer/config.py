@@ -15,6 +15,7 @@ from typing import Any
 
 from .act import ActOptions
 from .hourglass import HourglassOptions
+from .moe.options import MoeOptions
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class AttentionConfig:
     rotary_interpolation: float = 1.0   # positions / factor (position interpolation, arXiv:2306.15595)
     rotary_llama3: tuple[float, float, float, float] | None = None   # (factor, low_freq_factor,
                                         # high_freq_factor, original context): Llama 3's frequency scaling
+    rotary_scaling: Choice | None = None   # YaRN, dynamic NTK, LongRoPE with options (registry.ROTARY_SCALING)
     bias: str = "none"                  # "t5", "alibi"                 (registry.SCORE_BIAS)
     alibi_num_heads: int | None = None  # None: every head
     rel_pos_num_buckets: int = 32
@@ -59,6 +61,7 @@ class AttentionConfig:
                                         # attention, or a kernel of its own (Performer, linear, ...) with options
     pattern: tuple[Choice, ...] = ()    # which keys each query sees: pieces from registry.PATTERN
     fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
+    relative: Choice | None = None      # q-dependent relative position terms (registry.RELATIVE): Shaw, Transformer-XL
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class FeedForwardConfig:
     dropout: float = 0.0
     bias: bool = True
     chunks: int = 1                     # computed in this many pieces along the sequence (ff_chunks)
+    moe: MoeOptions | None = None       # a mixture of experts (moe/): ff_moe=True and its ff_moe_* options
 
 
 @dataclass(frozen=True)

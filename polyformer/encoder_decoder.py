@@ -16,7 +16,7 @@ from .stack import Decoder, Encoder
 from .wrappers import TransformerWrapper
 
 WRAPPER_KEYWORDS = ("num_tokens", "max_seq_len", "emb_dim", "emb_dropout", "num_memory_tokens",
-                    "use_abs_pos_emb", "scaled_sinu_pos_emb", "tie_embedding")
+                    "use_abs_pos_emb", "scaled_sinu_pos_emb", "tie_embedding", "logits_bias")
 OWN_KEYWORDS = ("dim", "tie_token_emb", "ignore_index", "pad_value")
 
 

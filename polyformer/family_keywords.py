@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from .act import ActOptions
 from .hourglass import depths_keyword as _hourglass_depths, keyword as _hourglass
+from .moe.options import MoeOptions
 from .per_layer import parse as _per_layer
+from .position.rotary_scaling import dynamic_ntk_keyword, longrope_keyword, yarn_keyword
 from .routes import Route, _bigbird_blocks, _block_local, _depths, _ints, _local_2d, _pairs, flag
 
 FAMILY_KEYWORDS: dict[str, Route] = {
@@ -109,6 +111,34 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "attn_adaptive_span_ramp": Route("attention.kernel.adaptive_span.ramp"),
     "attn_adaptive_span_loss": Route("attention.kernel.adaptive_span.loss"),
     "attn_adaptive_span_init": Route("attention.kernel.adaptive_span.init"),
+    # relative positions (position/shaw.py, position/xl_relative.py): q-dependent score terms, one scheme
+    "rel_pos_shaw": Route("attention.relative.shaw.max_distance"),
+    "rel_pos_shaw_values": Route("attention.relative.shaw.values"),
+    "rel_pos_xl": flag(attention__relative__xl={}),
+    "rel_pos_xl_shared_uv": Route("attention.relative.xl.shared_uv"),
+    # DA-Transformer (attention/kernels/distance_aware.py): ReLU scores scaled by a learned function of distance
+    "attn_distance_aware": flag(attention__kernel__distance_aware={}),
+    "attn_distance_aware_alpha": Route("attention.kernel.distance_aware.alpha"),
+    "attn_distance_aware_beta": Route("attention.kernel.distance_aware.beta"),
+    # rotary scaling past the trained context (position/rotary_scaling.py): YaRN, dynamic NTK, LongRoPE
+    "rotary_yarn": Route("attention.rotary_scaling", yarn_keyword),
+    "rotary_dynamic_ntk": Route("attention.rotary_scaling", dynamic_ntk_keyword),
+    "rotary_longrope": Route("attention.rotary_scaling", longrope_keyword),
     # per-layer attention options (per_layer.py): one dict of attention keywords per self-attention block
     "attn_per_layer": Route("attention_layers", _per_layer),
+    # mixture-of-experts feedforward (moe/): routed experts at every ff_moe_every-th feedforward block
+    "ff_moe": flag(ff__moe=MoeOptions()),
+    "ff_num_experts": Route("ff.moe.num_experts"),
+    "ff_moe_top_k": Route("ff.moe.top_k"),
+    "ff_moe_capacity_factor": Route("ff.moe.capacity_factor"),
+    "ff_moe_capacity": Route("ff.moe.capacity"),
+    "ff_moe_balance_loss": Route("ff.moe.balance_loss"),
+    "ff_moe_z_loss": Route("ff.moe.z_loss"),
+    "ff_moe_jitter": Route("ff.moe.jitter"),
+    "ff_moe_shared_experts": Route("ff.moe.shared_experts"),
+    "ff_moe_every": Route("ff.moe.every"),
+    "ff_moe_renormalize": Route("ff.moe.renormalize"),
+    # Switch Transformers interop (interop/switch.py): transformers' sparse-layer placement and padding routing
+    "ff_moe_offset": Route("ff.moe.offset"),
+    "ff_moe_route_padding": Route("ff.moe.route_padding"),
 }

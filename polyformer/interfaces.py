@@ -68,6 +68,8 @@ class Caps:
     memories: bool = True               # reads Transformer-XL memories (keys before the segment)
     patterns: tuple[str, ...] = ()      # direct kernels: pattern pieces they apply themselves (routing's
                                         # local heads take "window"); any other piece is refused
+    positional: bool = False            # reads positions itself (DA-Transformer's distance term): a stack with
+                                        # it has no absolute positions by default, as with rotary or ALiBi
 
 
 @dataclass(frozen=True)

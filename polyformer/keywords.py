@@ -138,7 +138,8 @@ def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> La
 
 
 # stages whose variants are choices with options: keyword rows write "<prefix>.<name>.<field>"
-CHOICE_STAGES = {"attention.pattern.": "pattern", "attention.kernel.": "kernel", "mixer.": "mixer"}
+CHOICE_STAGES = {"attention.pattern.": "pattern", "attention.kernel.": "kernel", "mixer.": "mixer",
+                 "attention.relative.": "relative"}
 
 
 def _choices(stage: str, prefix: str, fields: dict[str, dict[str, Any]], keywords: dict[str, str]
@@ -169,11 +170,12 @@ def _choices(stage: str, prefix: str, fields: dict[str, dict[str, Any]], keyword
     return tuple(choices)
 
 
-def _one(choices: tuple[Choice, ...], prefix: str, keywords: dict[str, str]) -> Choice:
+def _one(choices: tuple[Choice, ...], prefix: str, keywords: dict[str, str],
+         why: str = "each chooses how attention is computed") -> Choice:
     """The single choice of a stage that takes one (a kernel, a mixer): two are refused by name."""
     if len(choices) > 1:
         named = [sorted({k for p, k in keywords.items() if p.startswith(f"{prefix}{c.name}")})[0] for c in choices]
-        raise ValueError(f"{' and '.join(named)} conflict: each chooses how attention is computed; choose one")
+        raise ValueError(f"{' and '.join(named)} conflict: {why}; choose one")
     return choices[0]
 
 
@@ -203,6 +205,9 @@ def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> La
             groups[""][head] = value
     for head in groups.keys() - {"attention", "ff", ""}:     # a stack option's own dataclass (act.threshold)
         groups[""][head] = _onto(head, groups[head], groups[""].get(head), keywords)
+    for sub in {t.split(".")[0] for t in groups["ff"] if "." in t}:    # a feedforward option's dataclass (ff.moe.top_k)
+        fields = {t.split(".", 1)[1]: groups["ff"].pop(t) for t in list(groups["ff"]) if t.startswith(f"{sub}.")}
+        groups["ff"][sub] = _onto(f"ff.{sub}", fields, groups["ff"].get(sub), keywords)
     made = {prefix: _choices(stage, prefix, chosen[prefix], keywords)
             for prefix, stage in CHOICE_STAGES.items() if chosen[prefix]}
     if "attention.pattern." in made:
@@ -211,6 +216,9 @@ def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> La
         groups["attention"]["kernel"] = _one(made["attention.kernel."], "attention.kernel.", keywords)
     if "mixer." in made:
         groups[""]["mixer"] = _one(made["mixer."], "mixer.", keywords)
+    if "attention.relative." in made:        # position/relative.py: one scheme
+        groups["attention"]["relative"] = _one(made["attention.relative."], "attention.relative.", keywords,
+                                               "two relative position schemes in one stage")
     layers = groups[""].pop("attention_layers", None)     # attn_per_layer: each block's keywords (per_layer.py)
     cfg = LayersConfig(
         attention=AttentionConfig(**groups["attention"]),

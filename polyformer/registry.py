@@ -20,6 +20,9 @@ from .mixers import MIXERS
 from .norm import LayerNorm, RMSNorm, ScaleNorm
 from .position.bias import AlibiBias, T5Bias
 from .position.rotary import Rotary
+from .position.rotary_scaling import SCALINGS
+from .position.shaw import ShawOptions, ShawRelative
+from .position.xl_relative import XLOptions, XLRelative
 from .residual import Add, GRUGate, ReZero, ScaledAdd
 
 
@@ -41,7 +44,11 @@ ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "r
 NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})
 # "infused" acts on the projection inputs (see attention/projection.py), the others on q and k
 POSITION = _plain({"none": None, "rotary": Rotary, "infused": None})
+# how rotary positions stretch past the trained context (position/rotary_scaling.py): the Rotary builds them
+ROTARY_SCALING = {name: Entry(s, s.options) for name, s in SCALINGS.items()}
 SCORE_BIAS = _plain({"none": None, "t5": T5Bias, "alibi": AlibiBias})
+# q-dependent relative position terms of the scores (position/relative.py): Shaw et al., Transformer-XL
+RELATIVE = {"shaw": Entry(ShawRelative, ShawOptions), "xl": Entry(XLRelative, XLOptions)}
 # how queries meet keys: dense softmax attention (the reference), or a kernel of form "direct"
 KERNEL = {"dense": Entry(DenseKernel.from_spec, caps=DenseKernel.caps),
           **{name: Entry(k, k.options, k.caps) for name, k in DIRECT_KERNELS.items()}}
@@ -52,7 +59,8 @@ PATTERN = {name: Entry(piece.build, piece.options, piece.caps) for name, piece i
 MIXER = {name: Entry(m, m.options, m.caps) for name, m in MIXERS.items()}
 
 STAGES = {"norm": NORM, "residual": RESIDUAL, "activation": ACTIVATION, "normalize": NORMALIZE,
-          "position": POSITION, "bias": SCORE_BIAS, "kernel": KERNEL, "pattern": PATTERN, "mixer": MIXER}
+          "position": POSITION, "rotary_scaling": ROTARY_SCALING, "bias": SCORE_BIAS, "kernel": KERNEL,
+          "pattern": PATTERN, "mixer": MIXER, "relative": RELATIVE}
 
 
 def names(stage: str) -> list[str]:

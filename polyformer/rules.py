@@ -40,6 +40,8 @@ def needs_explicit_path(c: LayersConfig) -> list[str]:
         reasons.append(f"attn normalize={a.normalize!r}")
     if a.talking_heads:
         reasons.append("attn_talking_heads=True")
+    if a.relative is not None and getattr(a.relative.options, "values", False):
+        reasons.append("rel_pos_shaw with rel_pos_shaw_values=True (its value term reads the weights)")
     if c.residual_attn:
         reasons.append("residual_attn=True")
     if c.cross_residual_attn:
@@ -174,11 +176,19 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     from .attention.kernels.direct import problems as kernel_problems
     from .deepnet import problems as deepnet_problems
     from .hourglass import problems as hourglass_problems
+    from .position.rotary_scaling import problems as rotary_scaling_problems
     from .reversible import problems as reversible_problems
     from .universal import problems as universal_problems
 
     found = kernel_problems(cfg) + reversible_problems(cfg) + deepnet_problems(cfg) + universal_problems(cfg)
     found += hourglass_problems(cfg)
+    from .moe import problems as moe_problems
+
+    found += moe_problems(cfg)
+    from .position.relative import problems as relative_problems
+
+    found += relative_problems(cfg)
+    found += rotary_scaling_problems(cfg)
     if found:
         raise ValueError(f"{owner}: " + found[0])
     if cfg.attention.pattern:

@@ -7,7 +7,7 @@ each joined to the residual stream by a norm placement and a residual policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -16,14 +16,15 @@ from torch.utils.checkpoint import checkpoint
 
 from . import checks, deepnet, per_layer, reversible, rules, universal
 from .attention.attention import Attention
+from .position import relative
 from .config import LayersConfig
-from .feedforward import FeedForward
 from .hourglass import Hourglass
+from .moe.layer import feedforward as moe_feedforward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
 from .losses import AuxLosses
 from .memory.kv_cache import DecodeState
-from .registry import MIXER, NORM, RESIDUAL, SCORE_BIAS
+from .registry import KERNEL, MIXER, NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
 
 
@@ -78,6 +79,8 @@ class Block(nn.Module):
         if self.shift is not None:
             h = self.shifted(h, ctx.state) if ctx.state is not None else self.shift(h, ctx.shift_mask)
         if self.kind == "f":
+            if getattr(self.branch, "takes_context", False):     # reports losses, reads the state (moe/)
+                return self.branch(h, ctx), None, h
             return (self.branch(h) if whole else self.branch.dense(h)), None, h
         attn = self.branch(h, ctx, prev_scores)
         return attn.out, attn, h
@@ -154,6 +157,7 @@ class AttentionLayers(nn.Module):
             self.shared_bias = bias_cls(a.heads, cfg.causal, a.rel_pos_num_buckets, a.rel_pos_max_distance)
         else:
             self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
+        self.shared_relative = relative.shared(a)     # Transformer-XL's u, v shared by the blocks (or None)
         layout = universal.unit(cfg)        # the layout as built (universal=True: one shared unit)
         shifts = cfg.shift_tokens if isinstance(cfg.shift_tokens, tuple) else (cfg.shift_tokens,) * len(layout)
         norm_cls = NORM[cfg.norm].build
@@ -164,8 +168,8 @@ class AttentionLayers(nn.Module):
         blocks = []
         n_self = n_cross = 0
         for index, (kind, s) in enumerate(zip(layout, shifts)):
-            if kind == "f":
-                branch: nn.Module = FeedForward(cfg.dim, cfg.ff)
+            if kind == "f":         # dense, or experts at every ff_moe_every-th feedforward (moe/)
+                branch: nn.Module = moe_feedforward(cfg, layout[:index].count("f"), index)
             elif kind == "a" and cfg.mixer is not None:
                 branch = MIXER[cfg.mixer.name].build(cfg.dim, cfg, n_self)
                 n_self += 1
@@ -174,7 +178,8 @@ class AttentionLayers(nn.Module):
                                    layer=n_self if kind == "a" else n_cross,
                                    cross=kind == "c",
                                    dim_context=cfg.dim_context, shared_bias=self.shared_bias,
-                                   keep_scores=cfg.residual_attn if kind == "a" else cfg.cross_residual_attn)
+                                   keep_scores=cfg.residual_attn if kind == "a" else cfg.cross_residual_attn,
+                                   shared_relative=self.shared_relative)
                 n_self += kind == "a"
                 n_cross += kind == "c"
             shift = TokenShift(tuple(range(0 if cfg.causal else -s, s + 1))) if s > 0 else None
@@ -185,6 +190,7 @@ class AttentionLayers(nn.Module):
                 post_norm=norm() if cfg.placement == "post" else None,
                 shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
+        self.layer_pos: nn.Module | None = None     # a wrapper's abs_pos_per_layer tables (position/per_layer_abs.py)
         per_layer.check_state(self, owner)      # attn_per_layer: one decode state for blocks of their own shapes
         # DeepNet: alpha into the residuals, the beta-scaled init of the blocks' weights (deepnet.py)
         self.deepnorm = deepnet.setup(self) if cfg.residual == "deepnorm" else None
@@ -243,8 +249,9 @@ class AttentionLayers(nn.Module):
 
     @property
     def has_pos_emb(self) -> bool:
-        """Whether the blocks carry positions themselves (rotary, infused, T5, ALiBi)."""
-        return any(a.position != "none" or a.bias != "none" for a in self.cfg.self_attention)
+        """Whether the blocks carry positions themselves (rotary, infused, T5, ALiBi, relative schemes, DA)."""
+        return any(a.position != "none" or a.bias != "none" or a.relative is not None
+                   or KERNEL[a.kernel.name].caps.positional for a in self.cfg.self_attention)
 
     @property
     def layout(self) -> tuple[str, ...]:
@@ -256,10 +263,14 @@ class AttentionLayers(nn.Module):
         training when asked; with `keep`, each block's input (and a self-attention block's normalised
         input) in `record`; `prev` carries each kind's scores to the next block (residual attention)."""
         for block in blocks:
+            if self.layer_pos is not None:
+                x = self.layer_pos(x, block.index, ctx)
             if keep:
                 record.hiddens.append(x)
             if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, attn, h = checkpoint(block, x, ctx, prev.get(block.kind), use_reentrant=False)
+                own = replace(ctx, losses=AuxLosses())      # the backward's second run reports here, not twice
+                x, attn, h = checkpoint(block, x, own, prev.get(block.kind), use_reentrant=False)
+                ctx.losses.merge(own.losses)
             else:
                 x, attn, h = block(x, ctx, prev.get(block.kind))
             if attn is not None:

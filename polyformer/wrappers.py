@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
-from .embedding import (AxialPositions, ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding,
-                        TokenEmbedding, absolute_positions)
+from .embedding import AxialPositions, ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, TokenEmbedding
 from .keywords import checked_keywords
 from .memory.kv_cache import DecodeState
+from .position import wrapper_positions
 from .registry import NORM
 from .stack import AttentionLayers, Intermediates
 
@@ -35,7 +35,8 @@ class SequenceWrapper(nn.Module):
     def _setup(self, *, attn_layers: AttentionLayers, max_seq_len: int, emb_dropout: float,
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
                max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False,
-               post_emb_proj: bool = False, axial_pos_emb: object = None, axial_pos_emb_dims: object = None) -> None:
+               post_emb_proj: bool = False, axial_pos_emb: object = None, axial_pos_emb_dims: object = None,
+               abs_pos_per_layer: object = False, randomized_pos: object = None) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -54,12 +55,12 @@ class SequenceWrapper(nn.Module):
         if num_memory_tokens and max_mem_len:
             raise ValueError(f"{owner}: num_memory_tokens and max_mem_len cannot be combined: memory "
                              "tokens would sit between the XL memory and the segment")
-        self.max_seq_len = max_seq_len
         self.max_mem_len = max_mem_len
         self.shift_mem_down = shift_mem_down
-        self.pos_emb = absolute_positions(owner, dim, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb,
-                                          self.attn_layers.cfg.attention.position == "infused",
-                                          self.attn_layers.has_pos_emb, axial_pos_emb, axial_pos_emb_dims)
+        self.randomized_pos = randomized_pos        # max_seq_len becomes its L (position/randomized.py)
+        self.pos_emb, self.max_seq_len = wrapper_positions.setup(
+            self.attn_layers, owner, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb, axial_pos_emb,
+            axial_pos_emb_dims, abs_pos_per_layer, randomized_pos, max_mem_len, num_memory_tokens or 0)
         self.post_emb_norm = None
         if post_emb_norm:                 # the stack's own norm and eps (BERT: LayerNorm, eps 1e-12)
             cfg = self.attn_layers.cfg
@@ -75,8 +76,8 @@ class SequenceWrapper(nn.Module):
 
     @property
     def bounded(self) -> bool:
-        """Whether sequences are limited to max_seq_len (learned or axial absolute positions)."""
-        return isinstance(self.pos_emb, (LearnedPositions, AxialPositions))
+        """Whether sequences are limited to max_seq_len (learned, axial or per-layer absolute positions)."""
+        return isinstance(self.pos_emb, (LearnedPositions, AxialPositions)) or self.attn_layers.layer_pos is not None
 
     def _check_common(self, n: int, b: int, mask: Tensor | None, mems: list[Tensor] | None,
                       return_mems: bool, return_attn: bool, pos: Tensor | None,
@@ -107,14 +108,6 @@ class SequenceWrapper(nn.Module):
     def num_memory_tokens(self) -> int:
         return self.memory_tokens.tokens.shape[0] if self.memory_tokens is not None else 0
 
-    def _positions(self, n: int, pos: Tensor | None, state: DecodeState | None, device: torch.device) -> Tensor:
-        """Positions of the tokens among the tokens (memory tokens excluded)."""
-        if pos is not None:
-            return pos
-        if state is not None and state.length:
-            return AttentionLayers.next_positions(n, None, state, device) - self.num_memory_tokens
-        return torch.arange(n, device=device)[None]
-
     def add_positions(self, h: Tensor, tok_pos: Tensor) -> Tensor:
         """Embeddings h (b, n, dim) at token positions tok_pos (b|1, n): plus the absolute
         positions, then the post-embedding norm, projection and dropout."""
@@ -131,13 +124,7 @@ class SequenceWrapper(nn.Module):
              return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None,
              prefix_len: Tensor | int | None = None, global_mask: Tensor | None = None
              ) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
-        n = h.shape[1]
-        tok_pos = self._positions(n, pos, state, h.device)
-        if self.bounded and checks.values_hidden():
-            if pos is None and state is None:       # traced or batched: only the default 0 .. n-1 is known
-                checks.seq_len(n, self.max_seq_len)
-        elif self.bounded:
-            checks.seq_len(int(tok_pos.max()) + 1, self.max_seq_len)
+        tok_pos = wrapper_positions.token_positions(self, h, pos, state)
         h = self.add_positions(h, tok_pos)
         stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
         prefix = self.memory_tokens is not None and (state is None or state.length == 0)
@@ -215,6 +202,10 @@ class TransformerWrapper(SequenceWrapper):
         axial_pos_emb: (a, b), a * b >= max_seq_len: axial absolute positions (Reformer, position/axial.py),
             p -> concat(E1[p // b], E2[p % b]); axial_pos_emb_dims: their sizes (d1, d2), d1 + d2 = dim
             (default dim // 2 and the rest).
+        abs_pos_per_layer: every self-attention layer adds its own learned absolute positions to its input, the
+            first layer's in place of the input's (Al-Rfou et al., arXiv:1808.04444; position/per_layer_abs.py).
+        randomized_pos: L > max_seq_len: training positions are a sorted random sample of [0, L) per row, evaluation
+            0 .. n-1; learned tables get L rows and max_seq_len becomes L (arXiv:2305.16843; position/randomized.py).
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
     return_embeddings, return_mems, return_attn, return_intermediates, pos, state, prefix_len,
@@ -233,7 +224,8 @@ class TransformerWrapper(SequenceWrapper):
                  max_mem_len: int = 0, shift_mem_down: int = 0, logits_dim: int | None = None,
                  logits_bias: bool = True, post_emb_norm: bool = False,
                  embed_num_tokens: dict[str, int] | None = None, post_emb_proj: bool = False,
-                 axial_pos_emb: tuple[int, int] | None = None, axial_pos_emb_dims: tuple[int, int] | None = None):
+                 axial_pos_emb: tuple[int, int] | None = None, axial_pos_emb_dims: tuple[int, int] | None = None,
+                 abs_pos_per_layer: bool = False, randomized_pos: int | None = None):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -253,7 +245,8 @@ class TransformerWrapper(SequenceWrapper):
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
                     shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj,
-                    axial_pos_emb=axial_pos_emb, axial_pos_emb_dims=axial_pos_emb_dims)
+                    axial_pos_emb=axial_pos_emb, axial_pos_emb_dims=axial_pos_emb_dims,
+                    abs_pos_per_layer=abs_pos_per_layer, randomized_pos=randomized_pos)
         self.tie_embedding = tie_embedding
         self.to_logits = (None if tie_embedding
                           else nn.Linear(stack.out_dim, logits_dim or num_tokens, bias=logits_bias))
@@ -306,7 +299,8 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                  dim_out: int | None = None, emb_dropout: float = 0.0,
                  num_memory_tokens: int | None = None, use_abs_pos_emb: bool | None = None,
                  scaled_sinu_pos_emb: bool = False, max_mem_len: int = 0, shift_mem_down: int = 0,
-                 allow_nonfinite: bool = False, post_emb_norm: bool = False):
+                 allow_nonfinite: bool = False, post_emb_norm: bool = False, abs_pos_per_layer: bool = False,
+                 randomized_pos: int | None = None):
         super().__init__()
         stack = _stack(attn_layers, "ContinuousTransformerWrapper")
         dim = stack.dim
@@ -317,7 +311,8 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         self._setup(attn_layers=stack, max_seq_len=max_seq_len, emb_dropout=emb_dropout,
                     num_memory_tokens=num_memory_tokens, use_abs_pos_emb=use_abs_pos_emb,
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
-                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm)
+                    shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, abs_pos_per_layer=abs_pos_per_layer,
+                    randomized_pos=randomized_pos)
 
     def head(self, x: Tensor) -> Tensor:
         return self.project_out(x) if self.project_out is not None else x

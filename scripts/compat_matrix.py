@@ -35,6 +35,8 @@ SWITCHES: dict[str, Any] = {
     "attn_window": 4, "attn_blockwise": 2, "attn_block_local": (4, 2), "attn_dilated": ((4, 1), (8, 2)),
     # attention kernels chosen by a value (the others are flags)
     "attn_linear": "elu",
+    # a relative scheme chosen by a value (position/shaw.py)
+    "rel_pos_shaw": 2,
 }
 # `TransformerWrapper` keywords that switch a feature on
 WRAPPER_SWITCHES: dict[str, Any] = {
@@ -49,7 +51,8 @@ BASE = dict(dim=16, depth=2, heads=2, attn_dim_head=8)
 
 
 def _field_type(path: str) -> Any:
-    if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.", "act.", "hourglass.")):
+    if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.", "act.", "hourglass.",
+                        "attention.relative.", "ff.moe.")):
         return None                 # a variant's option: a switch only when listed above
     cls: Any = LayersConfig
     *heads, last = path.split(".")

@@ -11,7 +11,7 @@ from polyformer import AttentionLayers, Decoder, Encoder, TransformerWrapper
 
 WRAPPER_KEYS = ("num_memory_tokens", "max_mem_len", "shift_mem_down", "emb_dropout", "tie_embedding",
                 "use_abs_pos_emb", "scaled_sinu_pos_emb", "emb_dim", "logits_bias", "post_emb_norm",
-                "embed_num_tokens", "axial_pos_emb", "axial_pos_emb_dims")
+                "embed_num_tokens", "axial_pos_emb", "axial_pos_emb_dims", "abs_pos_per_layer", "randomized_pos")
 
 
 def tiny_lm(stack: type[AttentionLayers] = Decoder, num_tokens: int = 64, max_seq_len: int = 32,
@@ -65,3 +65,17 @@ def sgd_steps(model: torch.nn.Module, x: torch.Tensor, steps: int = 3) -> list[d
 def loss_grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The gradients of logsumexp(model(x)).mean() against every parameter."""
     return torch.autograd.grad(model(x).logsumexp(-1).mean(), list(model.parameters()))
+
+
+def assert_same_where_kept(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
+                           atol: float = 1e-5, grad_atol: float = 1e-4) -> None:
+    """Two models with the same weights (e.g. the fused path and the reference) give the same logits at the
+    kept positions of `mask`, and the same parameter gradients of their sum of squares."""
+    from torch.testing import assert_close
+
+    ya, yb = a(x, mask=mask), b(x, mask=mask)
+    assert_close(ya[mask], yb[mask], atol=atol, rtol=atol)
+    ga = torch.autograd.grad(ya[mask].square().sum(), list(a.parameters()))
+    gb = torch.autograd.grad(yb[mask].square().sum(), list(b.parameters()))
+    for u, v in zip(ga, gb):
+        assert_close(u, v, atol=grad_atol, rtol=grad_atol)

@@ -48,8 +48,25 @@ LAYER_OPTIONS: dict[str, dict] = {
                 attn_num_mem_kv=2),
     "emb_dim": dict(emb_dim=24),
     "tie_embedding": dict(tie_embedding=True),
+    # relative positions (position/shaw.py, position/xl_relative.py): with GQA and memory key / values
+    "rel_pos_shaw": dict(rel_pos_shaw=3, attn_kv_heads=2, attn_num_mem_kv=2),
+    "rel_pos_shaw_keys_only": dict(rel_pos_shaw=2, rel_pos_shaw_values=False),
+    "rel_pos_xl": dict(rel_pos_xl=True, attn_kv_heads=2, attn_num_mem_kv=2),
+    "rel_pos_xl_shared_uv": dict(rel_pos_xl=True, rel_pos_xl_shared_uv=True, attn_one_kv_head=True),
     "combined": dict(rotary_pos_emb=True, attn_num_mem_kv=2, num_memory_tokens=2, shift_tokens=1,
                      attn_kv_heads=2, ff_glu=True, use_rmsnorm=True),
+    # rotary scaling (position/rotary_scaling.py), 32 rotated pairs: YaRN is static (its context of 8 is left by
+    # every test); dynamic NTK and LongRoPE follow the length, and a cached key keeps its step's rotation, so their
+    # context of 128 is never left here (past it cached != uncached: tests/position/test_rotary_scaling.py)
+    "rotary_yarn": dict(rotary_pos_emb=True, rotary_yarn=dict(factor=4.0, original_max_len=8, beta_fast=16.0)),
+    "rotary_dynamic_ntk": dict(rotary_pos_emb=True, rotary_dynamic_ntk=(2.0, 128), attn_kv_heads=2),
+    "rotary_longrope": dict(rotary_pos_emb=True, rotary_longrope=dict(
+        short_factor=[1.0 + 0.05 * i for i in range(32)], long_factor=[1.0 + i for i in range(32)],
+        original_max_len=128, factor=4.0)),
+    # mixture-of-experts feedforward (moe/): top-2 without a limit; top-1 with a capacity that drops tokens
+    "ff_moe": dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=2, ff_glu=True, ff_moe_shared_experts=1),
+    "ff_moe_capacity": dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=1, ff_moe_capacity_factor=0.75,
+                            ff_moe_every=2, macaron=True, ff_moe_z_loss=1e-3, num_memory_tokens=2),
 }
 # one entry per registered attention pattern (registry.PATTERN; tests/contracts keeps the two in
 # step), small enough that a 12-token input has keys outside every pattern
@@ -65,6 +82,9 @@ PATTERN_OPTIONS: dict[str, dict] = {
     "attn_dilated": dict(attn_dilated=((4, 1), (8, 2))),
     # BigBird's blocks as Hugging Face lays them out (patterns/bigbird_blocks.py): 12 tokens > (5 + 2) x 1
     "attn_bigbird_blocks": dict(attn_bigbird_blocks=dict(block_size=1, random_blocks=1), rotary_pos_emb=True),
+    # relative schemes on a window: the pattern's dense path takes their terms
+    "attn_window_rel_pos_xl": dict(attn_window=4, rel_pos_xl=True, attn_kv_heads=2),
+    "attn_window_rel_pos_shaw": dict(attn_window=4, rel_pos_shaw=2),
 }
 # one entry per registered attention kernel other than dense, and per mixer (registry.KERNEL /
 # registry.MIXER; tests/contracts keeps them in step), each with a keyword it combines with; and the
@@ -116,6 +136,9 @@ KERNEL_OPTIONS: dict[str, dict] = {
     # adaptive attention span (attention/kernels/adaptive_span.py): spans of 4 + a ramp of 2 < 12 tokens
     "attn_adaptive_span": dict(attn_adaptive_span=8, attn_adaptive_span_ramp=2, attn_adaptive_span_init=0.5,
                                rotary_pos_emb=True, attn_num_mem_kv=2, attn_kv_heads=2),
+    # DA-Transformer (attention/kernels/distance_aware.py): heads off their neutral alpha = 0
+    "attn_distance_aware": dict(attn_distance_aware=True, attn_distance_aware_alpha=-0.5, attn_distance_aware_beta=0.5,
+                                attn_kv_heads=2, attn_num_mem_kv=2),
     # Hourglass (hourglass.py): one layer before the shortening by 3, one on it; nested 2 x 2, mean pool, repeat
     "hourglass": dict(hourglass=3, hourglass_depths=(1, 1, 0), rotary_pos_emb=True, shift_tokens=1,
                       num_memory_tokens=2),
@@ -128,6 +151,13 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "per_layer_local_lsh": dict(attn_per_layer=[
         dict(attn_block_local=(4, 4)), dict(attn_lsh=True, attn_shared_qk=True, attn_lsh_bucket_size=4,
                                             attn_lsh_n_hashes=2, attn_lsh_n_buckets=4)]),
+    # per-layer absolute positions (position/per_layer_abs.py): tables read at the stack's positions, memory
+    # tokens first; and on a macaron layout ('faf' per layer: a table before each 'a' only)
+    "abs_pos_per_layer": dict(abs_pos_per_layer=True, num_memory_tokens=2, attn_kv_heads=2),
+    "abs_pos_per_layer_rotary": dict(abs_pos_per_layer=True, rotary_pos_emb=True, macaron=True, attn_num_mem_kv=2),
+    # randomized positions (position/randomized.py): learned tables of L rows, rotary; identity in eval
+    "randomized_pos": dict(randomized_pos=48, num_memory_tokens=2),
+    "randomized_pos_rotary": dict(randomized_pos=48, rotary_pos_emb=True, attn_kv_heads=2),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one

@@ -140,3 +140,22 @@ def test_reports_are_refused_when_not_scalars_or_weights_disagree():
     aux.report("x", torch.tensor(1.0), 1.0)
     with pytest.raises(ValueError, match="'x' reported with weights 1.0 and 2.0"):
         aux.report("x", torch.tensor(1.0), 2.0)
+
+
+def test_gradient_checkpointing_reports_once_and_keeps_the_gradient():
+    # the backward runs each checkpointed block again; its reports must not add to the record a second time
+    x = torch.randint(0, 20, (2, 8))
+    plain = reporting(decoder())
+    torch.manual_seed(0)
+    checkpointed = reporting(TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=Decoder(
+        dim=16, depth=2, heads=2, gradient_checkpointing=True)))
+    checkpointed.load_state_dict(plain.state_dict())
+    results = []
+    for model in (plain, checkpointed):
+        model.train()
+        _, record = model(x, return_intermediates=True)
+        (record.losses.total() + 0 * sum(p.sum() for p in model.parameters())).backward()
+        factor = model.attn_layers.blocks[0].branch.factor
+        results.append((record.losses.values()["energy"], factor.grad.clone()))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1])

@@ -144,6 +144,7 @@ SEQ_WRAPPER_SPACE: dict[str, st.SearchStrategy] = {
     "shift_mem_down": sometimes([1, 2], 10),
     "use_abs_pos_emb": sometimes(BOOL, 4),
     "scaled_sinu_pos_emb": sometimes(TRUE, 8),
+    "abs_pos_per_layer": sometimes(TRUE, 8), "randomized_pos": sometimes([20, 8], 10),    # position/
     "emb_dropout": sometimes([0.1], 8),
     "post_emb_norm": sometimes(TRUE, 6),
 }

@@ -30,6 +30,7 @@ from polyformer import rules
 from polyformer.act import ActOptions
 from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.hourglass import HourglassOptions
+from polyformer.moe.options import MoeOptions
 from polyformer.keywords import KEYWORDS, parse_layers
 
 SMALL = dict(dim=32, depth=2)
@@ -442,12 +443,14 @@ def test_keyword_table_routes_to_real_fields():
     cfg_fields |= set(LayersConfig.__dataclass_fields__)
     cfg_fields |= {f"act.{k}" for k in ActOptions.__dataclass_fields__}      # a stack option's own dataclass
     cfg_fields |= {f"hourglass.{k}" for k in HourglassOptions.__dataclass_fields__}
+    cfg_fields |= {f"ff.moe.{k}" for k in MoeOptions.__dataclass_fields__}
     # a pattern piece's options: attention.pattern.<registry name>[.<field of its options class>]
     for piece, entry in registry.PATTERN.items():
         cfg_fields.add(f"attention.pattern.{piece}")
         cfg_fields |= {f"attention.pattern.{piece}.{k}" for k in entry.options.__dataclass_fields__}
     # a kernel's or mixer's options likewise: attention.kernel.<name>[.<field>], mixer.<name>[.<field>]
-    for prefix, table in (("attention.kernel", registry.KERNEL), ("mixer", registry.MIXER)):
+    for prefix, table in (("attention.kernel", registry.KERNEL), ("mixer", registry.MIXER),
+                          ("attention.relative", registry.RELATIVE)):
         for name, entry in table.items():
             cfg_fields.add(f"{prefix}.{name}")
             if entry.options is not None:

@@ -65,6 +65,20 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             wrapper=dict(use_abs_pos_emb=False), tasks=POSITIONS, causal_only=True),
     Variant("infused", "sinusoids added to the q / k inputs of every layer (Shortformer)",
             "arXiv:2012.15832", layers=dict(position_infused_attn=True), tasks=()),
+    Variant("abs_per_layer", "learned absolute positions, a table of its own added to every layer's input",
+            "arXiv:1808.04444", wrapper=dict(abs_pos_per_layer=True), tasks=POSITIONS),
+    Variant("randomized_learned", "learned absolute positions of [0, 1024), trained at sorted random samples of them",
+            "arXiv:2305.16843", wrapper=dict(randomized_pos=1024), tasks=POSITIONS),
+    Variant("randomized_rotary", "rotary positions trained at sorted random samples of [0, 1024)",
+            "arXiv:2305.16843", layers=dict(rotary_pos_emb=True), wrapper=dict(randomized_pos=1024), tasks=POSITIONS),
+    Variant("shaw", "Shaw et al.: learned key and value embeddings of the distance clipped to ±16",
+            "arXiv:1803.02155", layers=dict(rel_pos_shaw=16), tasks=POSITIONS),
+    Variant("xl_relative", "Transformer-XL relative encoding: sinusoids of i - j through W_R, learned u and v",
+            "arXiv:1901.02860", layers=dict(rel_pos_xl=True), tasks=POSITIONS),
+    Variant("distance_aware", "DA-Transformer: ReLU scores scaled per head by a learned function of |i - j|",
+            "arXiv:2010.06925", layers=dict(attn_distance_aware=True), tasks=POSITIONS),
+    # YaRN / dynamic NTK rows join POSITIONS with their code (issue 20: rotary scaling); randomized_pos=1024 covers the
+    # extrapolation task's longest evaluation (8 x 128).
     # --- sparse patterns (attention/patterns/): cost n x visible keys, computed sparse ---------
     Variant("window", "sliding window: each query sees the last 256 keys (both sides: 128 each)",
             "arXiv:2004.05150", layers=dict(rotary_pos_emb=True, attn_window=256), tasks=SPARSE),
@@ -150,6 +164,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("xl", "Transformer-XL memory of the previous segment's hidden states (128 per layer)",
             "arXiv:1901.02860", layers=dict(rotary_pos_emb=True), wrapper=dict(max_mem_len=128),
             tasks=("long_text",), causal_only=True),
+    # --- mixture of experts: `no_memory` is the dense row of equal active parameters ------------
+    Variant("moe", "8 experts of ff_mult 2, top-2, Switch balance loss 0.01: the active feedforward parameters of "
+            "`no_memory` (ff_mult 4), 4x its total", "arXiv:2101.03961, 2006.16668",
+            layers=dict(rotary_pos_emb=True, ff_moe=True, ff_num_experts=8, ff_moe_top_k=2, ff_mult=2),
+            tasks=("long_text",)),
+    Variant("dense_wide", "dense feedforward of ff_mult 16: the total parameters of `moe` (within its routers')",
+            "arXiv:2101.03961", layers=dict(rotary_pos_emb=True, ff_mult=16), tasks=("long_text",)),
     # --- adaptive computation ----------------------------------------------------------------
     Variant("adaptive_span", "adaptive attention span: a learned soft span per head, up to 224 + ramp 32 keys "
             "(the XL memory of 128 and the segment)", "arXiv:1905.07799",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -9,6 +11,7 @@ from ..autodiff import needs_reference
 from ..config import AttentionConfig
 from ..config import Choice
 from ..interfaces import KV, AttnOut, Context, KernelSpec
+from ..position import relative
 from ..precision import upcast
 from ..registry import KERNEL, NORMALIZE, POSITION
 from . import patterns
@@ -30,7 +33,8 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, cfg: AttentionConfig, *, causal: bool, layer: int = 0,
                  cross: bool = False, dim_context: int | None = None,
-                 shared_bias: nn.Module | None = None, keep_scores: bool = False):
+                 shared_bias: nn.Module | None = None, keep_scores: bool = False,
+                 shared_relative: nn.Module | None = None):
         super().__init__()
         self.cross = cross
         self.causal = causal and not cross
@@ -40,8 +44,10 @@ class Attention(nn.Module):
                                   infuse=positional and cfg.position == "infused")
         position = POSITION[cfg.position].build if positional else None
         self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_interleaved,
-                                  cfg.rotary_interpolation, cfg.rotary_llama3) if position is not None else None)
+                                  cfg.rotary_interpolation, cfg.rotary_llama3, cfg.rotary_scaling)
+                         if position is not None else None)
         self._bias = (shared_bias,) if positional and shared_bias is not None else ()
+        self.relative = relative.build(cfg, dim, self.causal, shared_relative) if positional else None
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
         normalize = NORMALIZE[cfg.normalize].build(cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize].build()
@@ -51,7 +57,8 @@ class Attention(nn.Module):
         self.kernel = KERNEL[choice.name].build(KernelSpec(
             heads=cfg.heads, kv_heads=self.project.kv_heads, dim_qk=self.project.qk_dim, dim_v=cfg.dim_head,
             causal=self.causal, layer=layer, scale=self.project.qk_dim ** -0.5, dropout=cfg.dropout,
-            options=choice.options, normalize=normalize, talking_heads=cfg.talking_heads, fused=cfg.fused,
+            options=choice.options, normalize=normalize, talking_heads=cfg.talking_heads,
+            fused=False if self.relative is not None and self.relative.reads_weights else cfg.fused,
             keep_scores=keep_scores, pattern=cfg.pattern if not cross else ()))
         self.direct = self.kernel.caps.form == "direct"
         self.cfg_kernel = choice.name
@@ -111,9 +118,13 @@ class Attention(nn.Module):
         bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None
         if bias is not None and kv.free:
             bias = F.pad(bias, (kv.free, 0))
-        out = self.kernel(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
-                          need_weights=ctx.need_weights)
+        out = self.attend(ctx)(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
+                               need_weights=ctx.need_weights)
         return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
+
+    def attend(self, ctx: Context) -> nn.Module | partial:
+        """The dense kernel, or the relative stage around it (its terms join the bias)."""
+        return self.kernel if self.relative is None else partial(self.relative, self.kernel, ctx.pos)
 
     def patterned(self, q: Tensor, kv: KV, ctx: Context, prev_scores: Tensor | None) -> AttnOut:
         """Attention restricted to the pattern: the block-sparse kernel when the keys are one run of
@@ -129,7 +140,7 @@ class Attention(nn.Module):
         geo = ctx.memo[at]
         bias = self._bias[0] if self._bias else None
         if (geo.run and self.kernel.can_fuse and prev_scores is None and not ctx.need_weights
-                and not needs_reference(q, kv.k, kv.v)):
+                and self.relative is None and not needs_reference(q, kv.k, kv.v)):
             key = ("pattern", self.pattern.layer_key)
             if key not in ctx.memo:
                 ctx.memo[key] = self.pattern.parts(geo)
@@ -143,8 +154,8 @@ class Attention(nn.Module):
             scores = extra if scores is None else scores + extra
         if kv.free and scores is not None:
             scores = F.pad(scores, (kv.free, 0))
-        return self.kernel(q, kv, mask=keep, bias=scores, causal=False, prev_scores=prev_scores,
-                           need_weights=ctx.need_weights)
+        return self.attend(ctx)(q, kv, mask=keep, bias=scores, causal=False, prev_scores=prev_scores,
+                                need_weights=ctx.need_weights)
 
     def context_kv(self, ctx: Context) -> KV:
         """Keys / values of the context; a decode state keeps them, so they are computed once."""

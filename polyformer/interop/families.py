@@ -9,12 +9,21 @@ from .fnet import FNET
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .longformer import LONGFORMER
+from .mixtral import MIXTRAL
 from .nystromformer import NYSTROMFORMER
 from .reformer import REFORMER
+from .roformer import ROFORMER
+from .switch import SWITCH
+from .t5 import T5
+from .xlnet import XLNET
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET,
-                                                          BIGBIRD, REFORMER)}
-SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for cls in f.classes)
+                                                          BIGBIRD, REFORMER, T5)}
+FAMILIES[XLNET.model_type] = XLNET
+FAMILIES[MIXTRAL.model_type] = MIXTRAL     # interop/mixtral.py: Llama with top-k experts
+FAMILIES[ROFORMER.model_type] = ROFORMER   # interop/roformer.py: BERT's encoder with interleaved rotary
+FAMILIES[SWITCH.model_type] = SWITCH       # interop/switch.py: T5 with top-1 experts and a capacity
+SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for v in (f, *f.variants) for cls in v.classes)
 
 
 def family_of(class_name: str | None, model_type: str | None) -> Family:
@@ -22,6 +31,8 @@ def family_of(class_name: str | None, model_type: str | None) -> Family:
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is not None and class_name is None:
         return family
+    if family is not None:      # a class of another shape in the same model type (T5EncoderModel)
+        family = next((v for v in family.variants if class_name in v.classes), family)
     if family is None or class_name not in family.classes:
         hint = ""
         if family is not None and family.base_model is not None:

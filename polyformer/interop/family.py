@@ -1,6 +1,8 @@
 """What the converters need to know about one Hugging Face model family: how its config becomes
 polyformer keywords and back, and which of its tensors becomes which polyformer tensor (`Link`).
-Each family (gpt2.py, bert.py, llama.py) is one `Family` record; hf.py runs them."""
+Each family (gpt2.py, bert.py, llama.py) is one `Family` record; hf.py runs them. An encoder-decoder
+family (t5.py) builds an `XTransformer`; a family whose classes build models of another shape (T5's
+encoder-only class) lists them as `variants`, records of the same model type."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..encoder_decoder import XTransformer
 from ..stack import AttentionLayers
 from ..wrappers import TransformerWrapper
 
@@ -26,7 +29,11 @@ class Link:
     Several tensors are joined along dim 0, `sizes` rows each (separate q / k / v projections into
     one fused q|k|v); `transpose` undoes GPT-2's Conv1D layout (in, out). `absolute` names are not
     under the base model's prefix (the LM head). `offset`: their first rows have no counterpart (RoBERTa's
-    position table starts at padding_idx + 1); they are dropped, and written as zeros.
+    position table starts at padding_idx + 1); they are dropped, and written as zeros. `scales`: one
+    factor per tensor of `theirs`, multiplied in on the way in and divided out on the way back (T5's
+    unscaled scores become polyformer's 1/sqrt(d) by scaling the queries by sqrt(d)). `heads`: their
+    tensors are einsum weights (dim, heads, dim_head) (XLNet): each is read as (dim, heads * dim_head),
+    transposed first when `transpose`, then joined.
     """
 
     ours: str
@@ -35,12 +42,27 @@ class Link:
     transpose: bool = False
     absolute: bool = False
     offset: int = 0
+    scales: tuple[float, ...] = ()
+    heads: int = 0
 
     def to_ours(self, tensors: list[Tensor]) -> Tensor:
+        if self.scales:
+            tensors = [t * s if s != 1.0 else t for t, s in zip(tensors, self.scales)]
+        if self.heads:
+            return torch.cat([t.flatten(1).t() if self.transpose else t.flatten(1) for t in tensors]).contiguous()
         t = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
         return t.t().contiguous() if self.transpose else t[self.offset:].clone()
 
     def to_theirs(self, t: Tensor) -> list[Tensor]:
+        parts = self._to_theirs(t)
+        if self.scales:
+            parts = [p / s if s != 1.0 else p for p, s in zip(parts, self.scales)]
+        return parts
+
+    def _to_theirs(self, t: Tensor) -> list[Tensor]:
+        if self.heads:
+            parts = t.split(list(self.sizes), dim=0) if len(self.theirs) > 1 else [t]
+            return [(p.t() if self.transpose else p).unflatten(1, (self.heads, -1)).contiguous() for p in parts]
         if len(self.theirs) > 1:
             return [part.clone() for part in t.split(list(self.sizes), dim=0)]
         if self.offset:
@@ -49,6 +71,10 @@ class Link:
 
     def their_shapes(self, ours: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shapes the Hugging Face tensors must have to make a tensor of shape `ours`."""
+        if self.heads:
+            rows = self.sizes if len(self.theirs) > 1 else (ours[0],)
+            return [(ours[1], self.heads, n // self.heads) if self.transpose else (n, self.heads, ours[1] // self.heads)
+                    for n in rows]
         if len(self.theirs) > 1:
             return [(n, *ours[1:]) for n in self.sizes]
         if self.offset:
@@ -65,13 +91,20 @@ class Family:
     defaults: the Hugging Face config defaults for keys a config.json may leave out.
     derived: regular expressions of buffers some checkpoints store that hold no weights (causal
         masks, position ids, rotary frequencies): rebuilt from the config, so they are dropped.
-    build: config -> (stack class, stack keywords, wrapper keywords); raises `Unsupported`.
+    build: config -> (stack class, stack keywords, wrapper keywords); raises `Unsupported`. An
+        `encoder_decoder` family's build gives the keywords of an `XTransformer` instead.
     links: config -> the links of every polyformer tensor.
     config_of: a polyformer model -> the Hugging Face config that describes it.
     tied_head: the name of the LM head tensor that a tied config shares with the token embedding.
     main_kwargs: keyword arguments of the main class beside its config.
     base_model: where other task-head models of the family keep a base model that converts (the
         hint for an unsupported class), or None.
+    encoder_decoder: the family's models are `XTransformer`s (an encoder and a cross-attending decoder).
+    aliases: config -> {tensor: the tensor it repeats} (T5's per-stack copies of the shared
+        embedding): read only to check they are equal, written back by `to_hf`.
+    resolve: (config, the checkpoint's tensors) -> the config, completed with what only the tensors
+        tell (whether T5's LM head is the shared embedding).
+    variants: records of the same model type for classes that build models of another shape.
     """
 
     model_type: str
@@ -86,10 +119,30 @@ class Family:
     notes: dict[str, str] = field(default_factory=dict)   # hints for unexpected tensors, by prefix
     main_kwargs: dict[str, Any] = field(default_factory=dict)
     base_model: str | None = None
+    encoder_decoder: bool = False
+    aliases: Callable[[dict[str, Any]], dict[str, str]] | None = None
+    resolve: Callable[[dict[str, Any], dict[str, Tensor]], dict[str, Any]] | None = None
+    variants: tuple["Family", ...] = ()
 
     @property
     def main_class(self) -> str:
         return next(iter(self.classes))
+
+
+def make_model(family: Family, c: dict[str, Any]) -> TransformerWrapper | XTransformer:
+    """The polyformer model of a Hugging Face config (defaults applied), with fresh weights."""
+    if family.encoder_decoder:
+        return XTransformer(**family.build(c))
+    stack_cls, layers, wrap = family.build(c)
+    return TransformerWrapper(attn_layers=stack_cls(**layers), **wrap)
+
+
+def wrappers_of(model: nn.Module) -> dict[str, TransformerWrapper]:
+    """The `TransformerWrapper`s a model is made of, by name: itself, or an XTransformer's encoder and
+    decoder."""
+    if isinstance(model, XTransformer):
+        return {"encoder": model.encoder, "decoder": model.decoder.net}
+    return {"": model}
 
 
 def ff_mult(inner: int, dim: int) -> float:

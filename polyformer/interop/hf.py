@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2, BERT (as `BertModel`) and Llama.
+"""Hugging Face checkpoints in and out: GPT-2, BERT (as `BertModel`), Llama, T5, ... (families.py).
 
     model = from_hf(hf_model)                 # a transformers model object -> TransformerWrapper
     model = load_hf("path/to/dir")            # config.json + model.safetensors, without transformers
@@ -6,7 +6,8 @@
     save_hf(model, "path/to/dir")             # config.json + model.safetensors, written atomically
 
 Every option is an ordinary polyformer keyword (attn_qkv_bias, post_emb_norm, embed_num_tokens, ...),
-so a converted model is a plain `TransformerWrapper`: `build_model(model_config(model))` rebuilds it.
+so a converted model is a plain `TransformerWrapper` (or `XTransformer`): `build_model(model_config(model))`
+rebuilds it.
 Conversion is strict: a missing tensor, a tensor with no place in the model, a shape that does not
 fit or an option polyformer cannot reproduce raises `ValueError` naming them all, and nothing
 half-converted is returned. Dropout probabilities are not carried over (polyformer's dropouts sit
@@ -25,9 +26,10 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
+from ..encoder_decoder import XTransformer
 from ..wrappers import TransformerWrapper
 from .families import FAMILIES, SUPPORTED, family_of
-from .family import Family
+from .family import Family, make_model
 from .hf_write import CONFIG, TOKENIZER, WEIGHTS, hf_config_dict, save_hf, to_hf
 
 INDEX = "model.safetensors.index.json"
@@ -35,13 +37,15 @@ INDEX = "model.safetensors.index.json"
 
 # ---- Hugging Face -> polyformer ------------------------------------------------------------------
 
-def from_hf(hf_model: nn.Module, *, ignore: Iterable[str] = ()) -> TransformerWrapper:
-    """A polyformer `TransformerWrapper` with the weights of a transformers model, in eval mode.
+def from_hf(hf_model: nn.Module, *, ignore: Iterable[str] = ()) -> TransformerWrapper | XTransformer:
+    """A polyformer `TransformerWrapper` (an `XTransformer` for an encoder-decoder class) with the
+    weights of a transformers model, in eval mode.
 
     GPT2LMHeadModel / GPT2Model and LlamaForCausalLM give a decoder whose `model(ids)` returns the
     Hugging Face logits; BertModel gives an encoder whose `model(ids, mask=mask,
     return_embeddings=True)` returns the last hidden states (token types through
-    `embed_ids={"token_type": ids}`, 0 when not given).
+    `embed_ids={"token_type": ids}`, 0 when not given). T5ForConditionalGeneration gives an
+    XTransformer (see t5.py for how to call it), T5EncoderModel an encoder.
 
     Args:
         hf_model: a transformers model of a supported class (`SUPPORTED`).
@@ -56,7 +60,8 @@ def from_hf(hf_model: nn.Module, *, ignore: Iterable[str] = ()) -> TransformerWr
     return convert(family, name, config, hf_model.state_dict(), ignore)
 
 
-def load_hf(directory: str | os.PathLike, *, ignore: Iterable[str] = ()) -> TransformerWrapper:
+def load_hf(directory: str | os.PathLike, *, ignore: Iterable[str] = ()
+            ) -> TransformerWrapper | XTransformer:
     """`from_hf` for a Hugging Face model directory (config.json and model.safetensors, or sharded
     model-*.safetensors with model.safetensors.index.json); needs `safetensors`, not `transformers`."""
     path = Path(directory)
@@ -94,17 +99,18 @@ def _matches(name: str, prefixes: list[str]) -> bool:
 
 
 def convert(family: Family, class_name: str, config: dict[str, Any], tensors: dict[str, Tensor],
-            ignore: Iterable[str] = ()) -> TransformerWrapper:
+            ignore: Iterable[str] = ()) -> TransformerWrapper | XTransformer:
     """Build the polyformer model of `config`, fill it from `tensors` (a Hugging Face state dict of
     `class_name`) and return it only if every tensor found its place."""
     if isinstance(ignore, str):
         ignore = [ignore]
     ignore = list(ignore)
-    c = {**family.defaults, **config}
-    stack_cls, layers, wrap = family.build(c)
-    model = TransformerWrapper(attn_layers=stack_cls(**layers), **wrap)
     prefix = family.classes.get(class_name, "")
     theirs = {(name[len(prefix):] if prefix and name.startswith(prefix) else name): t for name, t in tensors.items()}
+    c = {**family.defaults, **config}
+    if family.resolve is not None:
+        c = family.resolve(c, theirs)
+    model = make_model(family, c)
     ours = model.state_dict()
     out: dict[str, Tensor] = {}
     used: set[str] = set()
@@ -126,10 +132,16 @@ def convert(family: Family, class_name: str, config: dict[str, Any], tensors: di
         out[link.ours] = link.to_ours([theirs[n] for n in names])
     problems = []
     head = family.tied_head
-    if head is not None and c.get("tie_word_embeddings") and head in theirs:
-        used.add(head)
-        if family.embedding in theirs and not torch.equal(theirs[head], theirs[family.embedding]):
-            problems.append(f"{head} differs from {family.embedding}, but the config ties them (tie_word_embeddings=True)")
+    aliases = dict(family.aliases(c)) if family.aliases is not None else {}
+    if head is not None and c.get("tie_word_embeddings"):
+        aliases[head] = family.embedding
+    for name, source in aliases.items():
+        if name not in theirs:
+            continue
+        used.add(name)
+        if source in theirs and not torch.equal(theirs[name], theirs[source]):
+            why = "the config ties them (tie_word_embeddings=True)" if name == head else f"{class_name} shares them"
+            problems.append(f"{name} differs from {source}, but {why}")
     rest = [n for n in theirs if n not in used]
     derived = {n for n in rest if any(re.fullmatch(p, n) for p in family.derived)}
     skipped = {n for n in rest if _matches(n, ignore) or _matches(prefix + n, ignore)}

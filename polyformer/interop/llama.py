@@ -4,8 +4,10 @@ untied head by default."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from ..config import Choice
 from ..routes import LLAMA3_KEYS
 from ..stack import Decoder
 from ..wrappers import TransformerWrapper
@@ -27,32 +29,68 @@ def rope(c: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
     return scaling.get("rope_type", scaling.get("type", "default")), float(c.get("rope_theta", 10000.0)), scaling
 
 
-SCALINGS = {"default": (), "linear": ("factor",), "llama3": LLAMA3_KEYS}
+SCALINGS = {"default": (), "linear": ("factor",), "llama3": LLAMA3_KEYS, "dynamic": ("factor",),
+            "yarn": ("factor", "original_max_position_embeddings"),
+            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"),
+            "longrope": ("factor", "attention_factor"),
+            "dynamic": ("original_max_position_embeddings",)}     # Hugging Face's dynamic NTK does not read it
 NEUTRAL = {"attention_factor": 1.0, "partial_rotary_factor": 1.0}     # present in some configs, no effect
 
 
-def rotary_scaling(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+def rotary_scaling(kind: str, params: dict[str, Any], max_len: int = 2048) -> dict[str, Any]:
     """The layer keywords for a rope type: linear -> rotary_interpolation_factor (position
-    interpolation), llama3 -> rotary_llama3_scaling; the other types are refused."""
+    interpolation), llama3 -> rotary_llama3_scaling, dynamic -> rotary_dynamic_ntk (Hugging Face's original
+    context is max_position_embeddings = `max_len`), yarn -> rotary_yarn, longrope -> rotary_longrope; the
+    other types are refused."""
     if kind not in SCALINGS:
         raise Unsupported(f"llama: rope type {kind!r} is not supported; only {sorted(SCALINGS)}")
-    known = {"rope_type", "type", "rope_theta", *SCALINGS[kind]}
+    known = {"rope_type", "type", "rope_theta", *SCALINGS[kind], *OPTIONAL.get(kind, ())}
     extra = sorted(k for k, v in params.items() if k not in known and not (k in NEUTRAL and v in (None, NEUTRAL[k])))
     if extra:
         raise Unsupported(f"llama: rope parameters {extra} are not supported with rope type {kind!r}")
-    missing = [k for k in SCALINGS[kind] if k not in params]
+    missing = [k for k in SCALINGS[kind] if k not in params or (params[k] is None and k != "factor")]
     if missing:
         raise Unsupported(f"llama: rope type {kind!r} needs {missing}")
     if kind == "linear":
         return {"rotary_interpolation_factor": float(params["factor"])}
     if kind == "llama3":
         return {"rotary_llama3_scaling": {k: params[k] for k in LLAMA3_KEYS}}
-    return {}
+    if kind == "dynamic":
+        return {"rotary_dynamic_ntk": (float(params["factor"]), max_len)}
+    if kind == "default":
+        return {}
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_len / original    # Hugging Face's default
+    if kind == "yarn":
+        return {"rotary_yarn": dict(factor=factor, original_max_len=original, beta_fast=params.get("beta_fast") or 32.0,
+                                    beta_slow=params.get("beta_slow") or 1.0, truncate=params.get("truncate", True),
+                                    attention_factor=_yarn_attention(params, factor))}
+    if kind == "longrope":
+        return {"rotary_longrope": dict(short_factor=params["short_factor"], long_factor=params["long_factor"],
+                                        original_max_len=original, factor=factor,
+                                        attention_factor=params.get("attention_factor"))}
+
+
+def _yarn_attention(params: dict[str, Any], factor: float) -> float | None:
+    """YaRN's attention factor as Hugging Face reads it: given, or DeepSeek's ratio of two mscales when both are
+    set, else None (0.1 ln(factor) + 1, rotary_yarn's default)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and all_dim):
+        return None
+
+    def m(scale: float) -> float:
+        return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    return m(mscale) / m(all_dim)
 
 
 def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
     kind, theta, params = rope(c)
-    scaling = rotary_scaling(kind, params)
+    scaling = rotary_scaling(kind, params, c["max_position_embeddings"])
     heads = c["num_attention_heads"]
     kv = c["num_key_value_heads"] or heads
     if heads % kv:
@@ -104,7 +142,8 @@ def config_of(model: TransformerWrapper) -> dict[str, Any]:
             "hidden_act": "silu", "max_position_embeddings": model.max_seq_len, "rms_norm_eps": c.norm_eps,
             "tie_word_embeddings": model.to_logits is None, "attention_bias": a.qkv_bias,
             "mlp_bias": c.ff.bias, "attention_dropout": 0.0,
-            "rope_parameters": rope_parameters(a.rotary_base, a.rotary_interpolation, a.rotary_llama3)}
+            "rope_parameters": rope_parameters(a.rotary_base, a.rotary_interpolation, a.rotary_llama3)
+            if a.rotary_scaling is None else scaled_rope_parameters(a.rotary_base, a.rotary_scaling, model.max_seq_len)}
 
 
 def rope_parameters(theta: float, interpolation: float, llama3: tuple[float, ...] | None) -> dict[str, Any]:
@@ -115,6 +154,25 @@ def rope_parameters(theta: float, interpolation: float, llama3: tuple[float, ...
     if interpolation != 1.0:
         return {"rope_type": "linear", "rope_theta": theta, "factor": interpolation}
     return {"rope_type": "default", "rope_theta": theta}
+
+
+def scaled_rope_parameters(theta: float, scaling: Choice, max_len: int) -> dict[str, Any]:
+    """Hugging Face's rope parameters of rotary_yarn / rotary_dynamic_ntk / rotary_longrope (an attention factor
+    left at None is Hugging Face's default too)."""
+    o = scaling.options
+    if scaling.name == "dynamic":
+        if o.original_max_len != max_len:
+            raise Unsupported(f"llama: Hugging Face's dynamic rope scales past max_position_embeddings; "
+                              f"rotary_dynamic_ntk's original_max_len ({o.original_max_len}) must equal max_seq_len "
+                              f"({max_len})")
+        return {"rope_type": "dynamic", "rope_theta": theta, "factor": o.factor}
+    common = {"rope_type": scaling.name, "rope_theta": theta, "original_max_position_embeddings": o.original_max_len,
+              "factor": o.factor}
+    if o.attention_factor is not None:
+        common["attention_factor"] = o.attention_factor
+    if scaling.name == "yarn":
+        return {**common, "beta_fast": o.beta_fast, "beta_slow": o.beta_slow, "truncate": o.truncate}
+    return {**common, "short_factor": list(o.short_factor), "long_factor": list(o.long_factor)}
 
 
 LLAMA = Family(

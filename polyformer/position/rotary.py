@@ -7,7 +7,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..config import Choice
 from ..precision import upcast
+from .rotary_scaling import SCALINGS
 
 
 def rotary_angles(pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
@@ -16,15 +18,17 @@ def rotary_angles(pos: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: Tensor, angles: tuple[Tensor, Tensor], interleaved: bool = False) -> Tensor:
+def apply_rotary(x: Tensor, angles: tuple[Tensor, Tensor], interleaved: bool = False, scale: float = 1.0) -> Tensor:
     """Rotate the first 2 * r/2 features of x (b, h, n, d) in pairs by angles given as (cos, sin), in
-    at least float32.
+    at least float32; with `scale`, every feature is also multiplied by it.
 
     interleaved=False pairs feature i with i + r/2 (GPT-NeoX, Llama); True pairs (2i, 2i+1) (RoFormer).
     """
     r = angles[0].shape[-1] * 2
     rot, rest = upcast(x[..., :r]), x[..., r:]
     cos, sin = angles
+    if scale != 1.0:
+        cos, sin, rest = cos * scale, sin * scale, (upcast(rest) * scale).to(x.dtype)
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
@@ -53,13 +57,15 @@ class Rotary(nn.Module):
 
     interpolation: positions are divided by this factor (position interpolation, arXiv:2306.15595),
     i.e. every frequency is; llama3: (factor, low_freq_factor, high_freq_factor, original context)
-    scales the low frequencies only (`llama3_frequencies`). Either way q.k still depends only on the
-    offset.
+    scales the low frequencies only (`llama3_frequencies`); scaling: a `config.Choice` of
+    `rotary_scaling.SCALINGS` (YaRN, dynamic NTK, LongRoPE), whose frequencies may follow the current
+    length n = max position + 1 and whose attention factor multiplies q and k. q.k still depends only
+    on the offset (for a given n).
     """
 
     def __init__(self, dim_head: int, rotary_dim: int | None = None, base: float = 10000.0,
                  interleaved: bool = False, interpolation: float = 1.0,
-                 llama3: tuple[float, float, float, float] | None = None):
+                 llama3: tuple[float, float, float, float] | None = None, scaling: Choice | None = None):
         super().__init__()
         r = rotary_dim or dim_head - dim_head % 2
         self.interleaved = interleaved
@@ -68,8 +74,18 @@ class Rotary(nn.Module):
             inv_freq = llama3_frequencies(inv_freq, *llama3)
         inv_freq = inv_freq / interpolation
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaled = SCALINGS[scaling.name](inv_freq, base, scaling.options) if scaling is not None else None
+        self.scale = self.scaled.attention_factor if self.scaled is not None else 1.0
+        self.follows_length = self.scaled is not None and self.scaled.follows_length
+
+    def frequencies(self, length: Tensor | None) -> Tensor:
+        """The inverse frequencies (r/2,) in float32 for a forward whose positions reach length - 1."""
+        return self.inv_freq if self.scaled is None else self.scaled(length)
 
     def forward(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        q_angles = rotary_angles(q_pos, self.inv_freq)
-        k_angles = q_angles if k_pos is q_pos else rotary_angles(k_pos, self.inv_freq)
-        return (apply_rotary(q, q_angles, self.interleaved), apply_rotary(k, k_angles, self.interleaved))
+        length = torch.maximum(q_pos.max(), k_pos.max()) + 1 if self.follows_length else None
+        inv_freq = self.frequencies(length)
+        q_angles = rotary_angles(q_pos, inv_freq)
+        k_angles = q_angles if k_pos is q_pos else rotary_angles(k_pos, inv_freq)
+        return (apply_rotary(q, q_angles, self.interleaved, self.scale),
+                apply_rotary(k, k_angles, self.interleaved, self.scale))

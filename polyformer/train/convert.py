@@ -54,6 +54,9 @@ def from_hf_dir(hf_dir: str, out: str, ignore: list[str] | None = None,
         model = load_hf(src, ignore=ignore or [])
     except (FileNotFoundError, ValueError) as error:
         raise _fail(str(error)) from None
+    if not isinstance(model, TransformerWrapper):
+        raise _fail(f"a run directory holds a language model for `generate` / `eval`, and this checkpoint is an "
+                    f"encoder-decoder ({type(model).__name__}): use polyformer.interop.load_hf in Python")
     if not model.attn_layers.causal:
         raise _fail("a run directory holds a language model for `generate` / `eval`, and this checkpoint is an "
                     "encoder (BERT) without a language-model head: use polyformer.interop.load_hf in Python")

@@ -54,6 +54,7 @@ class TrainSettings:
     bf16: bool = False
     compile: bool = False
     fsdp: bool = False
+    expert_parallel: int = 1            # processes each expert layer's experts are spread over (torchrun)
     progress: bool = True
     tensorboard: bool | None = None     # None: events when tensorboard is installed; True: warn if it is not
 
@@ -111,6 +112,8 @@ MEANING: dict[tuple[str, str], str] = {
     ("train", "bf16"): "bfloat16 autocast",
     ("train", "compile"): "torch.compile the model",
     ("train", "fsdp"): "shard with FSDP under torchrun (also --fsdp)",
+    ("train", "expert_parallel"): "under torchrun, spread each ff_moe layer's experts over N processes (all_to_all "
+                                  "token exchange); N divides ff_num_experts and the number of processes",
     ("train", "progress"): "show a progress bar",
     ("train", "tensorboard"): "TensorBoard events: true (warn if tensorboard is missing), false, or none (when installed)",
 }
@@ -141,7 +144,7 @@ CHOICES = {("data", "tokenizer"): ("byte", "bpe"),
 POSITIVE = {("model", "dim"), ("model", "depth"), ("model", "heads"), ("model", "max_seq_len"),
             ("train", "steps"), ("train", "batch_size"), ("train", "grad_accum"), ("train", "eval_every"),
             ("train", "eval_batches"), ("train", "checkpoint_every"), ("train", "keep_last"),
-            ("train", "task_length"), ("data", "vocab_size")}
+            ("train", "task_length"), ("data", "vocab_size"), ("train", "expert_parallel")}
 
 
 def to_dict(settings: RunSettings) -> dict[str, Any]:

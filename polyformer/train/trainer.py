@@ -20,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..losses import loss_names
+from ..moe.parallel import balance_over
 from .checkpoint import checkpoint_step, load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import Gathered, join, leave, shard
+from .expert_parallel import ExpertParallel, refuse
 from .logs import TRAIN_FIELDS, CSVLog, TensorBoardLog, plot_losses
 from .progress import progress_bar
 from .record import CorpusChanged
@@ -88,6 +90,7 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
            resume: bool, corpus_change: bool, rank: int, world: int) -> int:
     settings, config = settings_for(run_dir, preset, config_file, overrides, resume)
     t = settings.train
+    refuse(t, world)
     if t.fsdp and world == 1:
         raise SystemExit("polyformer: --fsdp shards the model across processes: start the run with "
                          "torchrun --nproc_per_node=N -m polyformer train ... --fsdp")
@@ -123,9 +126,11 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     if rank == 0 and not resume:
         save_run_config(run_dir, run_config(model, {"settings": to_dict(settings), "corpus_sha256": data.corpus_sha256,
                                                     "schedule_steps": plan}))
-    if t.fsdp:                    # full weights go in before sharding, the optimizer state after
+    if t.fsdp or t.expert_parallel > 1:     # full weights go in before sharding, the optimizer state after
         state = load_checkpoint(checkpoint, model) if resume else None
+    if t.fsdp:
         shard(model)
+    experts = ExpertParallel(model, t.expert_parallel) if t.expert_parallel > 1 else None
     optimizer = optimizer_for(model, t.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(          # past its plan, the final rate holds
         optimizer, lambda s: lr_factor(s, t.warmup, plan, t.min_lr_ratio))
@@ -134,6 +139,8 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
     if resume:
         if t.fsdp:
             load_checkpoint(checkpoint, None, Gathered(model, optimizer), scheduler, rng=False)
+        elif experts is not None:
+            load_checkpoint(checkpoint, None, experts.optimizer(optimizer), scheduler, rng=False)
         else:
             state = load_checkpoint(checkpoint, model, optimizer, scheduler)
         step = state["step"]
@@ -141,14 +148,17 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
         objective.load_state_dict(state["data_state"]["objective"])
         if rank == 0:             # what a later `--resume` alone continues: these steps, this corpus
             save_run_config(run_dir, updated_config(config, settings, plan, data.corpus_sha256), overwrite=True)
-    params = sum(p.numel() for p in model.parameters())
+    params = experts.total if experts is not None else sum(p.numel() for p in model.parameters())
     say(rank, f"run {run_dir}: {params:,} parameters, objective {t.objective}, "
               f"{'resuming at step ' + str(step) if resume else 'new'}"
               + (f", corpus sha256 {data.corpus_sha256[:16]}, {data.train.numel():,} train / "
                  f"{data.val.numel():,} validation tokens" if data.train is not None else ""))
     if note is not None:
         say(rank, note)
-    net: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 and not t.fsdp else model
+    ddp = world > 1 and not t.fsdp and experts is None       # expert parallel: `experts.sync` instead
+    net: nn.Module = nn.parallel.DistributedDataParallel(model) if ddp else model
+    if world > 1:                 # MoE balance loss: f_i over the whole batch
+        balance_over(model, dist.group.WORLD)
     if t.compile:
         net = torch.compile(net)
     aux_names = loss_names(model)      # auxiliary losses the blocks report, logged by name
@@ -179,7 +189,11 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
                 reduced = torch.cat((torch.tensor([total]), aux))
                 dist.all_reduce(reduced)
                 total, aux = reduced[0].item() / world, reduced[1:] / world
-            if t.grad_clip:
+            if experts is not None:     # in place of DDP: the replicated gradients averaged, experts' summed
+                experts.sync()
+            if t.grad_clip and experts is not None:
+                experts.clip(t.grad_clip)
+            elif t.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             optimizer.step()
             scheduler.step()
@@ -207,12 +221,14 @@ def _train(run_dir: Path, preset: str | None, config_file: str | None, overrides
             if logs is not None:
                 logs.write(step, total, metrics.get("loss"), scheduler.get_last_lr()[0], rate,
                            dict(zip(aux_names, aux.tolist())))
-            if evaluate_now and (rank == 0 or t.fsdp):   # a sharded model samples on every rank
+            if evaluate_now and (rank == 0 or t.fsdp or experts is not None):   # a sharded model samples on every rank
                 _report(model, settings, data, step, metrics, bar, show=rank == 0)
             if step % t.checkpoint_every == 0 or step == t.steps or stop.signal is not None:
                 weights, optimizer_state = model, optimizer
                 if t.fsdp:            # gathering is collective: every rank takes part, rank 0 writes
                     weights, optimizer_state = Gathered(model).gather(), Gathered(model, optimizer).gather()
+                elif experts is not None:
+                    weights, optimizer_state = experts.gathered(optimizer)
                 if rank == 0:
                     save_checkpoint(run_dir, step, weights, optimizer_state, scheduler,
                                     data_state={"batches": batches.state_dict(), "objective": objective.state_dict()},

@@ -29,7 +29,9 @@ OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 
 # the options the fast step leaves to the module path (heads built differently; the universal stack's
 # shared blocks); every other option set, including ones added later, must be covered
-NOT_COVERED = {"attn_collab_heads", "position_infused_attn", "universal", "act"}
+NOT_COVERED = {"attn_collab_heads", "position_infused_attn", "universal", "act",
+               "rel_pos_shaw", "rel_pos_shaw_keys_only", "rel_pos_xl", "rel_pos_xl_shared_uv"}   # relative terms
+NOT_COVERED |= {"ff_moe", "ff_moe_capacity"}     # experts: the module path (FastStep.unsupported names them)
 COVERED = set(OPTIONS) - NOT_COVERED
 
 

@@ -109,12 +109,13 @@ def test_tied_head_must_equal_the_embedding(tmp_path):
 @pytest.mark.parametrize("make, fields, match", [
     (gpt2, dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (gpt2, dict(activation_function="relu"), "activation_function='relu'.*supported"),
-    (llama, dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope type 'dynamic'"),
+    (llama, dict(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}),
+     "rope type 'proportional'"),
     (llama, dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "attention_factor": 0.5}),
      r"rope parameters \['attention_factor'\]"),
     (bert, dict(position_embedding_type="relative_key"), "position_embedding_type='relative_key'"),
     (bert, dict(is_decoder=True), "is_decoder"),
-], ids=["gpt2-layer-scaling", "gpt2-relu", "llama-rope-dynamic", "llama-rope-attention-factor", "bert-relative",
+], ids=["gpt2-layer-scaling", "gpt2-relu", "llama-rope-proportional", "llama-rope-attention-factor", "bert-relative",
         "bert-decoder"])
 def test_unsupported_options_are_named(make, fields, match, tmp_path):
     path = saved(make(), tmp_path)

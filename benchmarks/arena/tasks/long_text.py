@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from polyformer.losses import AuxLosses, forward_with_losses, with_aux
+
 from .. import record
 from ..data import text
 from ..harness import Budget, Optimiser, with_changes, build_model, parameters, run_rows, train
@@ -47,10 +49,12 @@ class Reader:
     def __init__(self, model: nn.Module):
         self.model = model
         self.mems: list[Tensor] | None = None
+        self.aux = AuxLosses()          # the last call's auxiliary losses (an MoE's balance loss), added in training
 
     def __call__(self, x: Tensor) -> Tensor:
         if not getattr(self.model, "max_mem_len", 0):
-            return self.model(x)
+            logits, self.aux = forward_with_losses(self.model, x)
+            return logits
         logits, self.mems = self.model(x, mems=self.mems, return_mems=True)
         return logits
 
@@ -94,7 +98,7 @@ def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_text: Tenso
 
     def step_loss(step: int) -> tuple[Tensor, int]:
         seg = text.slices(train_text, (offsets + step * n) % (len(train_text) - n - 1), n + 1)
-        return F.cross_entropy(read(seg[:, :-1]).transpose(1, 2), seg[:, 1:]), seg[:, 1:].numel()
+        return with_aux(F.cross_entropy(read(seg[:, :-1]).transpose(1, 2), seg[:, 1:]), read.aux), seg[:, 1:].numel()
 
     trained = train(model, step_loss, budget, Optimiser(lr=s["lr"]), log=log)
     per_pos = evaluate(model, eval_streams, n, s["warm_tokens"])

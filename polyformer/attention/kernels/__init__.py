@@ -4,6 +4,7 @@ small module of its own, listed here by name (the registry reads this table)."""
 
 from .adaptive_span import AdaptiveSpan
 from .aft import Aft
+from .distance_aware import DistanceAware
 from .linear import KERNELS as _KERNEL_METHODS
 from .linformer import Linformer
 from .lsh import Lsh
@@ -17,3 +18,4 @@ DIRECT_KERNELS["sinkhorn"] = Sinkhorn
 DIRECT_KERNELS["lsh"] = Lsh
 DIRECT_KERNELS["routing"] = Routing
 DIRECT_KERNELS["adaptive_span"] = AdaptiveSpan
+DIRECT_KERNELS["distance_aware"] = DistanceAware

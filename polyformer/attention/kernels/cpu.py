@@ -22,7 +22,8 @@ registered operators, with their fake implementations and autograd formulas, are
 re-exported here. The dense kernel's fused path takes it for float32 CPU attention with no mask,
 bias or dropout, outside export, tracing, autocast, torch.func transforms and forward-mode AD: always
 in training (forward + backward is faster at every length measured, 1.08x at 8k keys), and without
-autograd up to LONGEST_INFERENCE keys, past which ATen's forward is as fast or faster. Everything
+autograd from FEW_QUERIES + 1 queries up to LONGEST_INFERENCE keys (a decode step's one query and
+longer contexts are faster or as fast in ATen's forward). Everything
 else keeps `scaled_dot_product_attention`. It is built once per machine on first use with
 `torch.utils.cpp_extension` (a C++ compiler and ninja; about 30 s, announced by one line on stderr) into
 PyTorch's extension cache, under a name made from its sources' bytes, the flags and torch's version
@@ -60,6 +61,7 @@ ISA_FLAGS = {                               # torch's own reading of the CPU: bu
 }
 
 LONGEST_INFERENCE = 4096   # keys; past it ATen's forward is as fast or faster (16k: 1.8 s against 1.9)
+FEW_QUERIES = 4            # queries up to which inference keeps SDPA, at any length (see applies)
 KEEP_KEYS = 512            # keys up to which training keeps the weights for the backward (see keeps)
 KEEP_BYTES = 256 * 2**20   # and the most memory one call's kept weights may take
 _lock = threading.Lock()
@@ -198,7 +200,12 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
             dropout: float, window: int = 0) -> bool:
     """Whether this call runs on the compiled kernel (builds it on the first call that would). With a
     window (w > 0, causal or not) inference has no length limit: the kernel computes only the band, where
-    the alternative (the block-sparse kernel's gathers) is 5x slower at 8k keys and w = 256."""
+    the alternative (the block-sparse kernel's gathers) is 5x slower at 8k keys and w = 256. Inference
+    with up to FEW_QUERIES queries (a decode step, a short speculative draft) keeps SDPA: 8 heads of 64,
+    process time, 1 and 2 threads, batch 1 and 8, 8 or 2 kv heads, 1 / 2 / 4 queries, SDPA is faster
+    at every length from 64 to 2048 keys (2.3x at 1 query and 64 keys, 1.9x at 150, 1.3x at 512, 1.06x
+    at 2048; 1.1-1.9x at 4 queries) and even at 4096 (0.96-1.08x); from 8 queries on the two are within
+    a few percent past 2048 keys."""
     if mask is not None or bias is not None or dropout > 0 or q.device.type != "cpu" or k.shape[-2] == 0:
         return False
     if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
@@ -206,7 +213,7 @@ def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor |
             and k.shape[1] == v.shape[1]):
         return False                        # shapes SDPA broadcasts (a batch of 1 against b ...)
     recording = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not recording and not window and k.shape[-2] > LONGEST_INFERENCE:
+    if not recording and not window and (k.shape[-2] > LONGEST_INFERENCE or q.shape[-2] <= FEW_QUERIES):
         return False
     if any(t.dtype != torch.float32 for t in (q, k, v)) or torch.is_autocast_enabled("cpu"):
         return False
@@ -308,8 +315,8 @@ from .cpu_ops import (  # noqa: E402
     explicit_gradients, fake_attention, heads_inner, reference_attention, unit_stride, unpack)
 
 __all__ = [
-    "SWITCH", "SOURCES", "ISA_FLAGS", "LONGEST_INFERENCE", "KEEP_KEYS", "KEEP_BYTES", "switched_off",
-    "recomputed_weights", "kept_floats", "keeps", "extension", "build", "applies", "built_for_graphs",
+    "SWITCH", "SOURCES", "ISA_FLAGS", "LONGEST_INFERENCE", "FEW_QUERIES", "KEEP_KEYS", "KEEP_BYTES",
+    "switched_off", "recomputed_weights", "kept_floats", "keeps", "extension", "build", "applies", "built_for_graphs",
     "attention", "checked_window", "packed_columns", "module", "attention_op", "attention_backward_op",
     "attention_packed_op", "attention_packed_backward_op", "fake_attention", "explicit_gradients",
     "reference_attention", "band_mask", "heads_inner", "unit_stride", "unpack"]
