@@ -8,8 +8,9 @@ Batch 1, a random 16-token prompt, decoder dim 512 / depth 6 / 8 heads / vocab 2
 alternate the order, and the median over rounds is reported. ms/token is the wall time of one whole
 `generate` call (prompt prefill included) divided by the new tokens.
 
-The default generate takes the fastest exact path (`generate.fast.fast_step`: input-major copies of the
-expanding weights, the common blocks as one call each; issue 26). Targets: >= 1.3x HF GPT-2 and >= 1.6x
+The default generate takes the tuned decode step (`generate.fast.fast_step`: input-major copies of the
+expanding weights, the common blocks as one call each; equal to the module path up to float rounding,
+issue 26). Targets: >= 1.3x HF GPT-2 and >= 1.6x
 x-transformers at batch 1, int8 weights >= 3x HF GPT-2; batch 8 and a 1k-token context are reported too
 (`generation_extra.py`), with the default step's per-token overhead outside its matrix products.
 

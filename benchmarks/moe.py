@@ -12,7 +12,7 @@ GELU, capacity factor 1.25, balance loss reported), a dense FeedForward of inner
 active experts' parameters), st-moe-pytorch's `MoE` (E 8, gating_top_n 2, expert_hidden_mult 2,
 capacity_factor_train 1.25; its own auxiliary losses added to the output's sum as ours are), and
 "experts only": our experts' grouped matrix products alone on the already sorted tokens with the counts the
-router gave (forward and backward). Dispatch overhead = 1 - experts only / MoE layer. Time: alternating
+router and the capacity gave (forward and backward). Dispatch overhead = 1 - experts only / MoE layer. Time: alternating
 rounds (`common.quiet_rounds`), medians; memory: `features.peak_step_bytes`. Targets (issue 23): MoE <= 1.5x
 the dense step, at least as fast as st-moe-pytorch, dispatch overhead < 20% at 4k tokens.
 --quick: n 1024, one round without warmup, output under /tmp unless --out-dir.
@@ -71,9 +71,10 @@ def steps(x: torch.Tensor, grad: torch.Tensor) -> dict[str, Callable[[], None]]:
         dense.zero_grad(set_to_none=True)
         dense(x).backward(grad)
 
-    with torch.no_grad():       # the sorted tokens and counts of this input, for the experts alone
+    with torch.no_grad():       # the sorted tokens and counts of this input's kept choices, for the experts alone
         routing = moe.router(x.reshape(-1, DIM))
-        slots, tokens, counts = dispatch(routing.experts, None, EXPERTS)
+        keep = moe.limited(routing.experts.view(1, x.shape[1], TOP_K), x.new_ones(x.shape[:2], dtype=torch.bool), None)
+        slots, tokens, counts = dispatch(routing.experts, keep.view(-1, TOP_K), EXPERTS)
         sorted_x = x.reshape(-1, DIM).index_select(0, tokens).detach().requires_grad_()
     sorted_grad = torch.randn(sorted_x.shape, generator=torch.Generator().manual_seed(2))
 

@@ -14,7 +14,8 @@ says "no transform" there: a torch.func transform traced by torch.compile is not
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -79,3 +80,14 @@ def graph_gradients(fn: Callable[..., Tensor], inputs: Sequence[Tensor | None], 
     found = iter(torch.autograd.grad(out, [t for t, take in zip(slots, taken) if take], grad,
                                      create_graph=True, allow_unused=True))
     return tuple(next(found) if take else None for take in taken)
+
+
+@contextlib.contextmanager
+def deeper(depth: list[int]) -> Iterator[None]:
+    """depth[0] one higher while the block runs: a nesting counter for "inside such a call" flags (a reversible
+    recomputation, the CPU kernel switched off)."""
+    depth[0] += 1
+    try:
+        yield
+    finally:
+        depth[0] -= 1

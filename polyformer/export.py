@@ -53,7 +53,7 @@ class DecodeStep(nn.Module):
             raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: not a kernel "
                              "with a recurrent summary (attn_performer, attn_linear, attn_rfa, gau)")
         moe = stack.cfg.ff.moe
-        if moe is not None and (moe.capacity is not None or moe.capacity_factor is not None):
+        if moe is not None and moe.limited:
             raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: not "
                              "ff_moe_capacity_factor / ff_moe_capacity (their running counts per expert)")
         self.net = net

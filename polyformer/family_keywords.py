@@ -4,16 +4,16 @@ row per public keyword, merged into `keywords.KEYWORDS`; the x-transformers keyw
 from __future__ import annotations
 
 from .act import ActOptions
-from .hourglass import depths_keyword as _hourglass_depths, keyword as _hourglass
+from .hourglass import keyword as _hourglass
 from .moe.options import MoeOptions
 from .per_layer import parse as _per_layer
 from .position.rotary_scaling import dynamic_ntk_keyword, longrope_keyword, yarn_keyword
-from .routes import Route, _bigbird_blocks, _block_local, _depths, _ints, _local_2d, _pairs, flag
+from .routes import Route, _bigbird_blocks, _block_local, _ints, _local_2d, _pairs, flag, sequence
 
 FAMILY_KEYWORDS: dict[str, Route] = {
     # DeepNet (deepnet.py): post-LN with alpha * x + f(x) and the beta-scaled init, alpha / beta from the depths
     "deepnorm": flag(residual="deepnorm", placement="post"),
-    "deepnorm_depths": Route("deepnorm_depths", _depths),
+    "deepnorm_depths": Route("deepnorm_depths", sequence("(N encoder layers, M decoder layers)")),
     # sparse attention patterns (attention/patterns/): each writes its piece's options
     "attn_window": Route("attention.pattern.window.size"),
     "attn_window_dilation": Route("attention.pattern.window.dilation", _ints),
@@ -103,7 +103,8 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "act_ponder_weight": Route("act.ponder_weight"),
     # Hourglass (hourglass.py): pre layers, layers on the pooled sequence (nested per factor), upsampling, post layers
     "hourglass": Route("hourglass", _hourglass),
-    "hourglass_depths": Route("hourglass.depths", _hourglass_depths),
+    "hourglass_depths": Route("hourglass.depths", sequence(
+        "layer counts per segment (pre layers per level, middle, post layers)")),
     "hourglass_pool": Route("hourglass.pool"),
     "hourglass_upsample": Route("hourglass.upsample"),
     # adaptive attention span (attention/kernels/adaptive_span.py): learned soft span per head, causal

@@ -72,15 +72,6 @@ def keyword(arg: Any) -> HourglassOptions | None:
     return HourglassOptions(factors=factors)
 
 
-def depths_keyword(arg: Any) -> tuple[Any, ...] | None:
-    """hourglass_depths: layers per segment, pre_1 ... pre_L, middle, post_L ... post_1."""
-    if arg is None:
-        return None
-    if not isinstance(arg, (list, tuple)):
-        raise TypeError(f"expected a sequence of layer counts (pre layers per level, middle, post layers), got {arg!r}")
-    return tuple(arg)
-
-
 def segments(cfg: "LayersConfig") -> tuple[int, ...]:
     """Layers per segment: pre_1 ... pre_L, middle, post_L ... post_1."""
     h = cfg.hourglass

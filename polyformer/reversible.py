@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from .autodiff import deeper
 from .interfaces import AttnOut, Context
 from .losses import AuxLosses
 
@@ -51,15 +52,6 @@ def differentiated_forward() -> bool:
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return torch.is_grad_enabled()
     return torch._C._current_graph_task_id() == -1       # not inside a backward (gradient checkpointing)
-
-
-@contextlib.contextmanager
-def _inside(counter: list[int]) -> Iterator[None]:
-    counter[0] += 1
-    try:
-        yield
-    finally:
-        counter[0] -= 1
 
 
 def merge(y1: Tensor, y2: Tensor, how: str = "mean") -> Tensor:
@@ -233,7 +225,7 @@ class Run:
         p = self.passes[n]
         kind = self.device if p.devices else None
         enabled, dtype = self.autocast
-        with torch.random.fork_rng(devices=p.devices, device_type=kind), _inside(_recomputing):
+        with torch.random.fork_rng(devices=p.devices, device_type=kind), deeper(_recomputing):
             torch.set_rng_state(p.cpu)
             if p.devices:
                 set_device_states(p.devices, p.states, device_type=kind)
@@ -248,7 +240,7 @@ class Pair(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x1: Tensor, x2: Tensor, run: Run, k: int, *params: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        with _inside(_forwarding):
+        with deeper(_forwarding):
             y1, y2, values = run.forward(k, x1, x2)
         ctx.run, ctx.k = run, k
         if k == len(run.pairs) - 1:

@@ -86,13 +86,17 @@ def _bigbird_blocks(arg: Any) -> dict[str, Any]:
     return dict(arg)
 
 
-def _depths(arg: Any) -> tuple[Any, ...] | None:
-    """(N encoder layers, M decoder layers) from any sequence; None: a stack on its own."""
-    if arg is None:
-        return None
-    if not isinstance(arg, (list, tuple)):
-        raise TypeError(f"expected (N encoder layers, M decoder layers), got {arg!r}")
-    return tuple(arg)
+def sequence(expected: str) -> Callable[[Any], tuple[Any, ...] | None]:
+    """A converter: any list / tuple -> a tuple, None -> None (off); anything else fails saying `expected`."""
+
+    def convert(arg: Any) -> tuple[Any, ...] | None:
+        if arg is None:
+            return None
+        if not isinstance(arg, (list, tuple)):
+            raise TypeError(f"expected {expected}, got {arg!r}")
+        return tuple(arg)
+
+    return convert
 
 
 def _layout(arg: Any) -> tuple[str, ...] | None:

@@ -173,22 +173,12 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     for rule in RULES:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
-    from .attention.kernels.direct import problems as kernel_problems
-    from .deepnet import problems as deepnet_problems
-    from .hourglass import problems as hourglass_problems
-    from .position.rotary_scaling import problems as rotary_scaling_problems
-    from .reversible import problems as reversible_problems
-    from .universal import problems as universal_problems
+    from . import deepnet, hourglass, moe, reversible, universal
+    from .attention.kernels import direct
+    from .position import relative, rotary_scaling
 
-    found = kernel_problems(cfg) + reversible_problems(cfg) + deepnet_problems(cfg) + universal_problems(cfg)
-    found += hourglass_problems(cfg)
-    from .moe import problems as moe_problems
-
-    found += moe_problems(cfg)
-    from .position.relative import problems as relative_problems
-
-    found += relative_problems(cfg)
-    found += rotary_scaling_problems(cfg)
+    found = [problem for piece in (direct, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling)
+             for problem in piece.problems(cfg)]      # each variant's own checks, in this order
     if found:
         raise ValueError(f"{owner}: " + found[0])
     if cfg.attention.pattern:

@@ -64,6 +64,7 @@ class Block(nn.Module):
         self.post_norm = post_norm
         self.shift = shift
         self.scale = scale
+        self.takes_context = getattr(branch, "takes_context", False)    # a feedforward that reads ctx
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None
                 ) -> tuple[Tensor, AttnOut | None, Tensor]:
@@ -79,7 +80,7 @@ class Block(nn.Module):
         if self.shift is not None:
             h = self.shifted(h, ctx.state) if ctx.state is not None else self.shift(h, ctx.shift_mask)
         if self.kind == "f":
-            if getattr(self.branch, "takes_context", False):     # reports losses, reads the state (moe/)
+            if self.takes_context:          # reports losses, reads the state (moe/)
                 return self.branch(h, ctx), None, h
             return (self.branch(h) if whole else self.branch.dense(h)), None, h
         attn = self.branch(h, ctx, prev_scores)

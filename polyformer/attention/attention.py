@@ -47,7 +47,7 @@ class Attention(nn.Module):
                                   cfg.rotary_interpolation, cfg.rotary_llama3, cfg.rotary_scaling)
                          if position is not None else None)
         self._bias = (shared_bias,) if positional and shared_bias is not None else ()
-        self.relative = relative.build(cfg, dim, self.causal, shared_relative) if positional else None
+        self.relative = relative.build(cfg, dim, shared_relative) if positional else None
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
         normalize = NORMALIZE[cfg.normalize].build(cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize].build()

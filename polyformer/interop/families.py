@@ -18,12 +18,10 @@ from .t5 import T5
 from .xlnet import XLNET
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GPT2, BERT, LLAMA, LONGFORMER, NYSTROMFORMER, FNET,
-                                                          BIGBIRD, REFORMER, T5)}
-FAMILIES[XLNET.model_type] = XLNET
-FAMILIES[MIXTRAL.model_type] = MIXTRAL     # interop/mixtral.py: Llama with top-k experts
-FAMILIES[ROFORMER.model_type] = ROFORMER   # interop/roformer.py: BERT's encoder with interleaved rotary
-FAMILIES[SWITCH.model_type] = SWITCH       # interop/switch.py: T5 with top-1 experts and a capacity
-SUPPORTED: tuple[str, ...] = tuple(cls for f in FAMILIES.values() for v in (f, *f.variants) for cls in v.classes)
+                                                          BIGBIRD, REFORMER, T5, XLNET, MIXTRAL, ROFORMER, SWITCH)}
+# every record, the variants (classes of another shape in the same model type) after their family
+RECORDS: tuple[Family, ...] = tuple(v for f in FAMILIES.values() for v in (f, *f.variants))
+SUPPORTED: tuple[str, ...] = tuple(cls for f in RECORDS for cls in f.classes)
 
 
 def family_of(class_name: str | None, model_type: str | None) -> Family:

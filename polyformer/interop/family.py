@@ -167,10 +167,14 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 ACTIVATION_KEYWORDS = {"gelu": {}, "gelu_tanh": {"ff_gelu_tanh": True}, "swish": {"ff_swish": True}}
 
 
-def activation(name: str, family: str, key: str) -> dict[str, Any]:
-    """The stack keyword of a Hugging Face activation name."""
+def activation(name: str, family: str, key: str, *, relu: bool = False) -> dict[str, Any]:
+    """The stack keyword of a Hugging Face activation name; `relu`: the family's feedforward may be a plain ReLU
+    (T5, XLNet, Reformer)."""
+    if relu and name == "relu":
+        return {"ff_relu": True}
     if name not in ACTIVATIONS:
-        raise Unsupported(f"{family}: {key}={name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        supported = sorted(ACTIVATIONS) + (["relu"] if relu else [])
+        raise Unsupported(f"{family}: {key}={name!r} is not supported; supported: {supported}")
     return dict(ACTIVATION_KEYWORDS[ACTIVATIONS[name]])
 
 

@@ -16,7 +16,7 @@ from ..config import flatten, to_dict
 from ..encoder_decoder import XTransformer
 from ..train.files import save_tensors, write_dir_atomic
 from ..wrappers import TransformerWrapper
-from .families import FAMILIES
+from .families import RECORDS
 from .family import Family, Unsupported, make_model, wrappers_of
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
@@ -72,7 +72,7 @@ def describe(model: TransformerWrapper | XTransformer) -> tuple[Family, dict[str
     if not isinstance(model, (TransformerWrapper, XTransformer)):
         raise TypeError(f"to_hf takes a polyformer TransformerWrapper or XTransformer, got {type(model).__name__}")
     pair = isinstance(model, XTransformer)
-    candidates = [f for family in FAMILIES.values() for f in (family, *family.variants) if f.encoder_decoder == pair]
+    candidates = [f for f in RECORDS if f.encoder_decoder == pair]
     if not candidates:
         raise Unsupported(f"no supported Hugging Face family is an {type(model).__name__}")
     tried = []

@@ -5,7 +5,7 @@ limit. Hugging Face stores the experts fused: gate_up_proj (E, 2 inner, dim), ga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..wrappers import TransformerWrapper
 from . import llama
-from .family import Family, Link, Unsupported, layer_names
+from .family import Link, Unsupported, layer_names
 
 DEFAULTS = {**llama.DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
@@ -81,7 +81,6 @@ def config_of(model: TransformerWrapper) -> dict[str, Any]:
             "output_router_logits": False}
 
 
-MIXTRAL = Family(
-    model_type="mixtral", classes={"MixtralForCausalLM": "model."}, defaults=DEFAULTS,
-    derived=(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",), build=build, links=links, config_of=config_of,
-    embedding="embed_tokens.weight", tied_head="lm_head.weight")
+# Llama's record (its tensor names, derived rotary buffers, tied head) with Mixtral's class and experts
+MIXTRAL = replace(llama.LLAMA, model_type="mixtral", classes={"MixtralForCausalLM": "model."}, defaults=DEFAULTS,
+                  build=build, links=links, config_of=config_of)

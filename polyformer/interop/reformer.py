@@ -156,13 +156,13 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
     if c["tie_word_embeddings"]:
         raise Unsupported("reformer: tie_word_embeddings=True cannot tie an LM head of 2 * hidden_size features to "
                           "the token embedding")
-    dim, act = _positive(c, "hidden_size"), c["hidden_act"]
+    dim = _positive(c, "hidden_size")
     wrap = {"num_tokens": _positive(c, "vocab_size"), "tie_embedding": False, **position_keywords(c)}
     chunk = c["chunk_size_feed_forward"] or 0
     layers = dict(dim=dim, depth=len(c["attn_layers"] or []), heads=_positive(c, "num_attention_heads"),
                   attn_dim_head=_positive(c, "attention_head_size"), reversible=True, reversible_merge="concat",
                   ff_mult=ff_mult(_positive(c, "feed_forward_size"), dim), norm_eps=float(c["layer_norm_eps"]),
-                  **({"ff_relu": True} if act == "relu" else activation(act, "reformer", "hidden_act")),
+                  **activation(c["hidden_act"], "reformer", "hidden_act", relu=True),
                   **attention_keywords(c))
     if chunk:
         layers["ff_chunks"] = max(1, math.ceil(wrap["max_seq_len"] / chunk))

@@ -11,7 +11,7 @@ from typing import Any
 from ..stack import Encoder
 from ..wrappers import TransformerWrapper
 from .bert import encoder_keywords, links as bert_links
-from .family import Family, Link, Unsupported, activation_name, inner_dim, layer_names
+from .family import Family, Link, Unsupported, activation_name, inner_dim
 
 DEFAULTS = {"vocab_size": 50000, "embedding_size": None, "hidden_size": 768, "num_hidden_layers": 12,
             "num_attention_heads": 12, "intermediate_size": 3072, "hidden_act": "gelu",

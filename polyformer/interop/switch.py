@@ -115,13 +115,8 @@ def _t5(fn: Any, *args: Any) -> Any:
         raise Unsupported(str(error).replace("t5:", f"{NAME}:", 1)) from None
 
 
-def tied(c: dict[str, Any]) -> bool:
-    """tie_word_embeddings: one embedding for both stacks and the head (scaled); else three of their own."""
-    return c.get("tie_word_embeddings") is not False
-
-
 def build(c: dict[str, Any]) -> dict[str, Any]:
-    keywords = {**_t5(t5.build, as_t5(c)), "tie_token_emb": tied(c)}
+    keywords = {**_t5(t5.build, as_t5(c)), "tie_token_emb": t5.tied(c)}
     for side, depth, sparse in (("enc", c["num_layers"], c["num_sparse_encoder_layers"]),
                                 ("dec", t5.decoder_depth(c), c["num_sparse_decoder_layers"])):
         keywords.update({f"{side}_{k}": v for k, v in experts(c, depth, sparse).items()})
@@ -153,7 +148,7 @@ def with_experts(links: list[Link], c: dict[str, Any], stacks: list[tuple[str, s
 
 def untied(links: list[Link], c: dict[str, Any], embeddings: dict[str, str]) -> list[Link]:
     """Untied, each stack reads its own embedding (ours: theirs) instead of the shared one."""
-    if tied(c):
+    if t5.tied(c):
         return links
     return [replace(link, theirs=(embeddings[link.ours],)) if link.ours in embeddings else link for link in links]
 
@@ -220,11 +215,11 @@ def encoder_config_of(model: TransformerWrapper) -> dict[str, Any]:
 SWITCH_ENCODER = Family(
     model_type=NAME, classes={"SwitchTransformersEncoderModel": ""}, defaults=DEFAULTS, derived=UNUSED,
     build=build_encoder, links=encoder_links, config_of=encoder_config_of,
-    aliases=lambda c: {ENCODER_EMBEDDING: t5.SHARED} if tied(c) else {},
+    aliases=lambda c: {ENCODER_EMBEDDING: t5.SHARED} if t5.tied(c) else {},
     notes={"decoder": "SwitchTransformersEncoderModel converts the encoder only: pass ignore=['decoder', "
                       "'lm_head'] to leave the decoder of a full checkpoint out"})
 
 SWITCH = Family(
     model_type=NAME, classes={"SwitchTransformersForConditionalGeneration": ""}, defaults=DEFAULTS, derived=UNUSED,
     build=build, links=links, config_of=config_of, encoder_decoder=True,
-    aliases=lambda c: t5.aliases(c) if tied(c) else {}, variants=(SWITCH_ENCODER,))
+    aliases=lambda c: t5.aliases(c) if t5.tied(c) else {}, variants=(SWITCH_ENCODER,))

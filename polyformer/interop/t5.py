@@ -30,7 +30,7 @@ from torch import Tensor
 from ..encoder_decoder import XTransformer
 from ..stack import Encoder
 from ..wrappers import TransformerWrapper
-from .family import ACTIVATIONS, Family, Link, Unsupported, activation, ff_mult
+from .family import ACTIVATIONS, Family, Link, Unsupported, activation, ff_mult, head_keywords
 
 DEFAULTS = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_decoder_layers": None,
             "num_heads": 8, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
@@ -52,8 +52,7 @@ def feedforward(c: dict[str, Any]) -> dict[str, Any]:
     if not (len(parts) == 1 or gated) or act not in T5_ACTIVATIONS:
         supported = ", ".join(f"{g}{a}" for g in ("", "gated-") for a in T5_ACTIVATIONS)
         raise Unsupported(f"t5: feed_forward_proj={proj!r} is not supported; supported: {supported}")
-    keywords = {"ff_relu": True} if act == "relu" else activation(act, "t5", "feed_forward_proj")
-    return {**keywords, "ff_glu": gated, "ff_no_bias": True}
+    return {**activation(act, "t5", "feed_forward_proj", relu=True), "ff_glu": gated, "ff_no_bias": True}
 
 
 def stack_keywords(c: dict[str, Any], depth: int) -> dict[str, Any]:
@@ -74,24 +73,27 @@ def decoder_depth(c: dict[str, Any]) -> int:
     return c["num_decoder_layers"] if c["num_decoder_layers"] is not None else c["num_layers"]
 
 
+def tied(c: dict[str, Any]) -> bool:
+    """tie_word_embeddings, True unless a config sets it False."""
+    return c.get("tie_word_embeddings") is not False
+
+
 def resolve(c: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
     """`scale_decoder_outputs` as transformers reads it, and `tie_word_embeddings` as what the tensors
     hold: a head absent or equal to the shared embedding is tied."""
     scale = c.get("scale_decoder_outputs")
     if scale is None:
-        scale = c.get("tie_word_embeddings") is not False
+        scale = tied(c)
     head, shared = tensors.get(HEAD), tensors.get(SHARED)
-    tied = head is None or (shared is not None and head.shape == shared.shape and torch.equal(head, shared))
-    return {**c, "scale_decoder_outputs": bool(scale), "tie_word_embeddings": tied}
+    same = head is None or (shared is not None and head.shape == shared.shape and torch.equal(head, shared))
+    return {**c, "scale_decoder_outputs": bool(scale), "tie_word_embeddings": same}
 
 
 def build(c: dict[str, Any]) -> dict[str, Any]:
     """The `XTransformer` keywords of T5ForConditionalGeneration."""
-    tied = c.get("tie_word_embeddings") is not False
     keywords: dict[str, Any] = dict(dim=c["d_model"], tie_token_emb=True, pad_value=c["pad_token_id"] or 0)
     sides = (("enc", stack_keywords(c, c["num_layers"]), {"tie_embedding": True}),
-             ("dec", stack_keywords(c, decoder_depth(c)),
-              {"tie_embedding": True} if tied else {"tie_embedding": False, "logits_bias": False}))
+             ("dec", stack_keywords(c, decoder_depth(c)), head_keywords({"tie_word_embeddings": tied(c)})))
     for side, layers, head in sides:
         wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["n_positions"], use_abs_pos_emb=False, **head)
         keywords.update({f"{side}_{k}": v for k, v in {**layers, **wrap}.items()})
@@ -139,13 +141,13 @@ def stack_links(c: dict[str, Any], ours: str, theirs: str, depth: int, cross: bo
 
 
 def links(c: dict[str, Any]) -> list[Link]:
-    scale = (c["d_model"] ** -0.5,) if c.get("scale_decoder_outputs", c.get("tie_word_embeddings") is not False) else ()
+    scale = (c["d_model"] ** -0.5,) if c.get("scale_decoder_outputs", tied(c)) else ()
     out = [Link("encoder.token_emb.weight", (SHARED,)), Link("decoder.net.token_emb.weight", (SHARED,)),
            *stack_links(c, "encoder.attn_layers", "encoder", c["num_layers"], cross=False),
            Link("encoder.attn_layers.final_norm.weight", ("encoder.final_layer_norm.weight",)),
            *stack_links(c, "decoder.net.attn_layers", "decoder", decoder_depth(c), cross=True),
            Link("decoder.net.attn_layers.final_norm.weight", ("decoder.final_layer_norm.weight",), scales=scale)]
-    if c.get("tie_word_embeddings") is False:
+    if not tied(c):
         out.append(Link("decoder.net.to_logits.weight", (HEAD,)))
     return out
 
@@ -157,8 +159,8 @@ def encoder_links(c: dict[str, Any]) -> list[Link]:
 
 
 def aliases(c: dict[str, Any]) -> dict[str, str]:
-    tied = {HEAD: SHARED} if c.get("tie_word_embeddings") is not False else {}
-    return {"encoder.embed_tokens.weight": SHARED, "decoder.embed_tokens.weight": SHARED, **tied}
+    head = {HEAD: SHARED} if tied(c) else {}
+    return {"encoder.embed_tokens.weight": SHARED, "decoder.embed_tokens.weight": SHARED, **head}
 
 
 def stack_config(model: TransformerWrapper) -> dict[str, Any]:

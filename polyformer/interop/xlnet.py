@@ -36,10 +36,10 @@ def build(c: dict[str, Any]) -> tuple[type, dict[str, Any], dict[str, Any]]:
         raise Unsupported(f"xlnet: {', '.join(refused)} is not supported (polyformer reads every distance as it is, "
                           "in one direction of data, with every memory kept)")
     dim, heads = c["d_model"], c["n_head"]
-    act = {"ff_relu": True} if c["ff_activation"] == "relu" else activation(c["ff_activation"], "xlnet", "ff_activation")
     layers = dict(dim=dim, depth=c["n_layer"], heads=heads, attn_dim_head=head_dim("xlnet", dim, heads, "d_model", "n_head"),
                   rel_pos_xl=True, pre_norm=False, ff_mult=ff_mult(c["d_inner"], dim),
-                  norm_eps=float(c["layer_norm_eps"]), **act)
+                  norm_eps=float(c["layer_norm_eps"]),
+                  **activation(c["ff_activation"], "xlnet", "ff_activation", relu=True))
     wrap = dict(num_tokens=c["vocab_size"], max_seq_len=c["mem_len"] or 512, use_abs_pos_emb=False,
                 tie_embedding=True, max_mem_len=c["mem_len"] or 0)
     return (Encoder if c["attn_type"] == "bi" else Decoder), layers, wrap

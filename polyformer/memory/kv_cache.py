@@ -24,7 +24,9 @@ class DecodeState:
     pos, mask: (b, max_len) positions and padding of the cached keys, shared by all layers; the
         positions of each row only grow, so a new token comes after every cached key.
     cross: per cross-attention block, keys / values of the context, computed once.
-    shift: per token-shifting block, its inputs (b, max_len, dim), so a step can see the previous ones.
+    shift: per token-shifting block, its inputs (b, max_len, dim), so a step can see the previous ones;
+        under negative keys (-1 - block) an expert layer's running counts per position (moe/layer.py),
+        which roll back, reorder and clone with them.
     """
 
     def __init__(self, layers: int, batch: int, max_len: int, k_heads: int, dim_k: int, v_heads: int,

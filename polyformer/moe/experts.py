@@ -72,11 +72,10 @@ class Experts(nn.Module):
     def everywhere(self, x: Tensor, weights: Tensor) -> Tensor:
         """Every expert on every token x (t, dim), summed with weights (t, E) (zero where not chosen) -> (t, dim):
         the same mixture with shapes that do not depend on the routing, for a traced forward (torch.compile,
-        torch.export), which cannot slice by counts it has not computed."""
-        out = x.new_zeros(x.shape[0], self.w_out.shape[-1])
-        for e in range(self.num):
-            out = out + self.one(x, e) * weights[:, e, None].to(x.dtype)
-        return out
+        torch.export), which cannot slice by counts it has not computed: one batched product over the experts."""
+        b_in, b_out = (None if p is None else p[:, None] for p in (self.b_in, self.b_out))
+        y = self.run(x.expand(self.num, *x.shape), self.w_in, b_in, self.w_out, b_out)      # (E, t, dim)
+        return torch.einsum("etd,te->td", y, weights.to(y.dtype))
 
 
 def _mm(t: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import universal
 from ..checks import values_hidden
 from ..config import LayersConfig
 from ..interfaces import Context
@@ -36,13 +37,17 @@ class MoeFeedForward(nn.Module):
         inner = int(dim * cfg.ff.mult)
         self.options = o
         self.causal = cfg.causal
-        self.key = -1 - block       # its running counts in a decode state's per-block history
-        self.layers = sum(is_moe(o, p) for p in range(cfg.layout.count("f")))
+        self.key = -1 - block       # its running counts in the decode state's per-block history (token shift's >= 0)
+        # the expert layers a forward runs (universal=True: the unit's, once per application), for the averages
+        runs = universal.steps(cfg) if cfg.universal else 1
+        self.layers = runs * sum(is_moe(o, p) for p in range(universal.unit(cfg).count("f")))
         self.router = Router(dim, o)
         self.experts = Experts(dim, inner, o.num_experts, cfg.ff)
         self.shared = Experts(dim, inner * o.shared_experts, 1, cfg.ff) if o.shared_experts else None
         self.balance_group = None   # data-parallel training: the balance loss's f_i over every process's tokens
-        self.loss_names = ("moe_balance", "moe_z", "moe_dropped", *(f"moe_load_{e}" for e in range(o.num_experts)))
+        # one scalar term per expert (the channel's terms are scalars, the trainer logs a column per name)
+        self.load_names = tuple(f"moe_load_{e}" for e in range(o.num_experts))
+        self.loss_names = ("moe_balance", "moe_z", "moe_dropped", *self.load_names)
 
     def forward(self, x: Tensor, ctx: Context | None = None) -> Tensor:
         b, n, dim = x.shape
@@ -51,7 +56,7 @@ class MoeFeedForward(nn.Module):
         routing = self.router(flat)
         mask = ctx.mask if ctx is not None and not o.route_padding else None
         keep = None
-        if o.capacity is not None or o.capacity_factor is not None:
+        if o.limited:
             real = mask if mask is not None else x.new_ones(b, n, dtype=bool)
             keep = self.limited(routing.experts.view(b, n, -1), real, ctx).reshape(b * n, -1)
         elif mask is not None:
@@ -77,11 +82,11 @@ class MoeFeedForward(nn.Module):
         if state is None:
             return kept(experts, real, self.options, self.causal)[0]
         n = experts.shape[1]
-        window, _ = state.shift_window(self.key, real.new_zeros(*real.shape, self.options.num_experts + 1,
-                                                                dtype=float), reach=1)
-        before = window[:, 0].long() if window.shape[1] > n else None
+        window, _ = state.shift_window(self.key, experts.new_zeros(*real.shape, self.options.num_experts + 1),
+                                       reach=1)
+        before = window[:, 0] if window.shape[1] > n else None
         keep, counts = kept(experts, real, self.options, self.causal, before)
-        window[:, -n:] = counts.to(window.dtype)      # the storage itself (a view): rolled back with the positions
+        window[:, -n:] = counts         # the storage itself (a view): rolled back with the positions
         return keep
 
     def report(self, ctx: Context, routing: Routing, keep: Tensor | None, real: Tensor | None) -> None:
@@ -90,8 +95,8 @@ class MoeFeedForward(nn.Module):
         ctx.losses.report("moe_balance", balance_loss(routing, real, group), o.balance_loss)
         ctx.losses.report("moe_z", z_loss(routing, real), o.z_loss)
         f = load(routing.experts, o.num_experts, real).detach() / self.layers
-        for e in range(o.num_experts):
-            ctx.losses.report(f"moe_load_{e}", f[e], 0.0)
+        for name, value in zip(self.load_names, f.unbind()):
+            ctx.losses.report(name, value, 0.0)
         choices = (real.sum() if real is not None else routing.experts.new_tensor(routing.experts.shape[0])) * o.top_k
         taken = keep.sum() if keep is not None else choices
         dropped = (1 - taken.float() / choices.clamp_min(1).float()) / self.layers

@@ -30,6 +30,11 @@ class MoeOptions:
     def renormalized(self) -> bool:
         return self.top_k > 1 if self.renormalize is None else self.renormalize
 
+    @property
+    def limited(self) -> bool:
+        """Whether an expert takes at most a capacity of each row's tokens (capacity.py)."""
+        return self.capacity_factor is not None or self.capacity is not None
+
 
 def is_moe(options: MoeOptions | None, position: int) -> bool:
     """Whether the feedforward block at `position` (0-based among the stack's 'f' blocks) has experts: the
@@ -71,18 +76,20 @@ def problems(cfg: "LayersConfig") -> list[str]:
         found.append(f"ff_moe_renormalize must be True, False or None, got {o.renormalize!r}")
     if found:
         return found
-    blocks = cfg.layout.count("f")
+    from ..universal import unit
+
+    blocks = unit(cfg).count("f")       # the feedforward blocks built (universal=True: the shared unit's)
     if o.offset is not None and o.offset >= o.every:
         found.append(f"ff_moe_offset must be below ff_moe_every={o.every}, got {o.offset}")
     elif blocks <= first(o):
         at = f"ff_moe_every={o.every}" + (f" with ff_moe_offset={o.offset}" if o.offset is not None else "")
-        found.append(f"{at} gives no feedforward block experts: the layout has {blocks}")
+        shared = " in the shared unit of universal=True" if cfg.universal else ""
+        found.append(f"{at} gives no feedforward block experts: the layout has {blocks}{shared}")
     if cfg.ff.chunks > 1:
         found.append("ff_chunks splits a dense feedforward along the sequence; ff_moe=True does not take it")
     if cfg.residual == "deepnorm":
         found.append("deepnorm=True initialises dense feedforwards; ff_moe=True is not supported with it")
-    limited = c is not None or o.capacity is not None
-    if limited and (cfg.universal or cfg.hourglass is not None or cfg.reversible):
+    if o.limited and (cfg.universal or cfg.hourglass is not None or cfg.reversible):
         named = "universal=True" if cfg.universal else "hourglass" if cfg.hourglass is not None else "reversible=True"
         found.append(f"ff_moe_capacity_factor / ff_moe_capacity count tokens per row in token order; {named} is "
                      "not supported with them (use no capacity limit)")

@@ -68,8 +68,6 @@ def expert_layers(model: nn.Module) -> Iterator[tuple[str, Experts]]:
 def place(model: nn.Module, g: Groups) -> nn.Module:
     """Keep this rank's E / N experts of every expert layer (the stacked weights sliced, `offset` their first
     global expert), and route tokens through the expert group; the balance loss counts the world's tokens."""
-    from .layer import MoeFeedForward
-
     found = list(expert_layers(model))
     if not found:
         raise ValueError("train.expert_parallel > 1 spreads the experts of ff_moe=True layers over processes; "
@@ -127,6 +125,14 @@ def sync_gradients(model: nn.Module, g: Groups) -> None:
     _reduce([p.grad for p in model.parameters() if id(p) not in ids and p.grad is not None], dist.group.WORLD,
             1 / g.world)
     _reduce([p.grad for p in experts if p.grad is not None], g.replicas, 1 / g.world)
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Every buffer as rank 0 holds it, as DistributedDataParallel does before each forward: state that a
+    forward updates from its own rows (k-means centroids, a feature redraw count) stays one model across
+    the ranks."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, 0)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, g: Groups) -> Tensor:

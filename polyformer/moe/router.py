@@ -46,13 +46,18 @@ class Router(nn.Module):
         return Routing(logits, probs, gates, experts)
 
 
+def routed(experts: Tensor, num_experts: int, real: Tensor | None) -> Tensor:
+    """The real tokens' routing choices per expert, (E,) float32; experts (t, k), real (t,) bool or None
+    (every token)."""
+    counts = F.one_hot(experts, num_experts).float().sum(dim=1)       # (t, E)
+    return (counts if real is None else counts * real[:, None]).sum(dim=0)
+
+
 def load(experts: Tensor, num_experts: int, real: Tensor | None) -> Tensor:
     """f: the fraction of the real tokens' routing choices that went to each expert, (E,) float32 summing
-    to 1; experts (t, k), real (t,) bool or None (every token)."""
-    counts = F.one_hot(experts, num_experts).float().sum(dim=1)       # (t, E)
-    if real is not None:
-        counts = counts * real[:, None]
-    return counts.sum(dim=0) / counts.sum().clamp_min(1.0)
+    to 1."""
+    counts = routed(experts, num_experts, real)
+    return counts / counts.sum().clamp_min(1.0)
 
 
 def mean_over(values: Tensor, real: Tensor | None) -> Tensor:
@@ -76,12 +81,9 @@ def balance_loss(routing: Routing, real: Tensor | None, group: object | None = N
         return e * (load(routing.experts, e, real) * mean_over(routing.probs, real)).sum()
     import torch.distributed as dist
 
-    counts = F.one_hot(routing.experts, e).float().sum(dim=1)                 # (t, E)
     summed = routing.probs if real is None else routing.probs * real[:, None]
-    if real is not None:
-        counts = counts * real[:, None]
     tokens = real.sum() if real is not None else routing.probs.new_tensor(float(routing.probs.shape[0]))
-    stats = torch.cat([counts.sum(dim=0), tokens.reshape(1).to(counts)]).detach()
+    stats = torch.cat([routed(routing.experts, e, real), tokens.reshape(1).float()]).detach()
     dist.all_reduce(stats, group=group)
     f = stats[:e] / stats[:e].sum().clamp_min(1.0)
     return e * (f * summed.sum(dim=0)).sum() * dist.get_world_size(group) / stats[e].clamp_min(1.0)

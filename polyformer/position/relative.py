@@ -9,8 +9,6 @@ Keys without a position (memory key / values, `kv.free`) get no positional term.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -25,6 +23,16 @@ class RelativeStage(nn.Module):
     `values` (when `reads_weights`) adds the scheme's term to the output from the weights."""
 
     reads_weights = False
+
+    @staticmethod
+    def shared(options: object, heads: int, dim_head: int) -> nn.Module | None:
+        """What the stack holds once for every block of this scheme (Transformer-XL's shared u, v), or None."""
+        return None
+
+    @staticmethod
+    def check(options: object, cfg: LayersConfig) -> list[str]:
+        """The scheme's own problems with its options, naming the keywords."""
+        return []
 
     def terms(self, q: Tensor, kv: KV, q_pos: Tensor, scale: float) -> Tensor:
         """q (b, h, i, d), kv.k (b, hk, j, d) -> the bias (b, h, i, j), the free keys' columns included."""
@@ -58,14 +66,14 @@ def pad_free(terms: Tensor, free: int) -> Tensor:
     return F.pad(terms, (free, 0)) if free else terms
 
 
-def build(cfg: AttentionConfig, dim: int, causal: bool, shared: nn.Module | None) -> RelativeStage | None:
+def build(cfg: AttentionConfig, dim: int, shared: nn.Module | None) -> RelativeStage | None:
     """The block's relative stage from its config, or None."""
     if cfg.relative is None:
         return None
     from ..registry import RELATIVE
 
     return RELATIVE[cfg.relative.name].build(cfg.relative.options, dim=dim, heads=cfg.heads,
-                                             dim_head=cfg.dim_head, causal=causal, shared=shared)
+                                             dim_head=cfg.dim_head, shared=shared)
 
 
 def shared(cfg: AttentionConfig) -> nn.Module | None:
@@ -74,8 +82,7 @@ def shared(cfg: AttentionConfig) -> nn.Module | None:
         return None
     from ..registry import RELATIVE
 
-    make: Callable | None = getattr(RELATIVE[cfg.relative.name].build, "shared", None)
-    return make(cfg.relative.options, cfg.heads, cfg.dim_head) if make is not None else None
+    return RELATIVE[cfg.relative.name].build.shared(cfg.relative.options, cfg.heads, cfg.dim_head)
 
 
 def problems(cfg: LayersConfig) -> list[str]:
@@ -107,8 +114,5 @@ def problems(cfg: LayersConfig) -> list[str]:
         found.append(f"{name} acts on self-attention; only_cross=True has none")
     if own_projections(a.pattern) is not None:
         found.append(f"{name} cannot combine with attn_global_projections (the global queries' own attention)")
-    check = getattr(RELATIVE[a.relative.name].build, "check", None)
-    if check is not None:
-        found += check(a.relative.options, cfg)
-    return found
+    return found + RELATIVE[a.relative.name].build.check(a.relative.options, cfg)
 

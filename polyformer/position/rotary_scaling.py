@@ -53,6 +53,29 @@ class LongRopeOptions:
     attention_factor: float | None = None   # m; None: sqrt(1 + ln(s) / ln(L)) (1 when s <= 1)
 
 
+class RotaryScaling(nn.Module):
+    """A scaling: `forward(length)` gives the inverse frequencies (r/2,) in float32 for a forward whose positions
+    reach length - 1 (None: no length, the unstretched ones); `attention_factor` m multiplies q and k;
+    `follows_length` says whether the frequencies depend on the length; `check` names its out-of-range options."""
+
+    options: type
+    keyword: str
+    follows_length = False
+    attention_factor = 1.0
+
+    @staticmethod
+    def check(o: object, pairs: int) -> list[str]:
+        """This scaling's own out-of-range options (`pairs`: r / 2 rotated pairs), each named after `keyword`."""
+        return []
+
+    def forward(self, length: Tensor | None) -> Tensor:
+        raise NotImplementedError
+
+
+def _stretch(kw: str, factor: object) -> list[str]:
+    return [] if checks.number(factor) and factor >= 1 else [f"{kw} needs factor >= 1, got {factor!r}"]
+
+
 def yarn_frequencies(r: int, base: float, o: YarnOptions) -> Tensor:
     """The r/2 frequencies of NTK-by-parts, float32: w_i = base^(-2i/r) kept where pair i turns more than
     beta_fast times in L, w_i / s where it turns fewer than beta_slow times, a linear ramp over the pair index
@@ -79,23 +102,31 @@ def yarn_attention_factor(o: YarnOptions) -> float:
     return 0.1 * math.log(o.factor) + 1.0 if o.factor > 1 else 1.0
 
 
-class Yarn(nn.Module):
+class Yarn(RotaryScaling):
     """YaRN: static frequencies and temperature, so exact under the decode state as plain rotary is."""
 
     options = YarnOptions
     keyword = "rotary_yarn"
-    follows_length = False
 
     def __init__(self, inv_freq: Tensor, base: float, o: YarnOptions):
         super().__init__()
         self.register_buffer("inv_freq", yarn_frequencies(2 * inv_freq.shape[-1], base, o), persistent=False)
         self.attention_factor = yarn_attention_factor(o)
 
+    @staticmethod
+    def check(o: YarnOptions, pairs: int) -> list[str]:
+        kw, found = Yarn.keyword, _stretch(Yarn.keyword, o.factor)
+        if not (checks.number(o.beta_fast) and checks.number(o.beta_slow) and o.beta_fast > o.beta_slow > 0):
+            found.append(f"{kw} needs beta_fast > beta_slow > 0, got {o.beta_fast!r} and {o.beta_slow!r}")
+        if not isinstance(o.truncate, bool):
+            found.append(f"{kw} truncate must be True or False, got {o.truncate!r}")
+        return found
+
     def forward(self, length: Tensor | None) -> Tensor:
         return self.inv_freq
 
 
-class DynamicNtk(nn.Module):
+class DynamicNtk(RotaryScaling):
     """Dynamic NTK: w'_i = base'^(-2i/r), base' = base * (s n / L - (s - 1))^(r / (r - 2)) with n = max(length, L),
     in float32 in Hugging Face's order of operations (a float64 base' shifts long-context logits by ~1e-5)."""
 
@@ -109,7 +140,13 @@ class DynamicNtk(nn.Module):
         self.factor, self.original, self.base, self.power = float(o.factor), int(o.original_max_len), base, r / (r - 2)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.register_buffer("exponents", torch.arange(0, r, 2).float() / r, persistent=False)
-        self.attention_factor = 1.0
+
+    @staticmethod
+    def check(o: DynamicNtkOptions, pairs: int) -> list[str]:
+        kw, found = DynamicNtk.keyword, _stretch(DynamicNtk.keyword, o.factor)
+        if pairs < 2:
+            found.append(f"{kw} rescales the base by an exponent r / (r - 2): it needs a rotary dimension r >= 4")
+        return found
 
     def forward(self, length: Tensor | None) -> Tensor:
         if length is None:
@@ -126,7 +163,7 @@ def longrope_attention_factor(o: LongRopeOptions) -> float:
     return math.sqrt(1 + math.log(s) / math.log(n)) if s > 1 and n > 1 else 1.0
 
 
-class LongRope(nn.Module):
+class LongRope(RotaryScaling):
     """LongRoPE: w_i / short_factor[i] up to L, w_i / long_factor[i] beyond (by the current length)."""
 
     options = LongRopeOptions
@@ -141,13 +178,24 @@ class LongRope(nn.Module):
         self.register_buffer("long", (inv_freq / long).float(), persistent=False)
         self.attention_factor = longrope_attention_factor(o)
 
+    @staticmethod
+    def check(o: LongRopeOptions, pairs: int) -> list[str]:
+        kw, found = LongRope.keyword, []
+        for name in ("short_factor", "long_factor"):
+            given = getattr(o, name)
+            if len(given) != pairs or not all(checks.number(f) and f > 0 for f in given):
+                found.append(f"{kw} {name} needs {pairs} positive numbers (one per rotated pair), got {given!r}")
+        if not (checks.number(o.factor) and o.factor > 0):
+            found.append(f"{kw} factor must be a positive number, got {o.factor!r}")
+        return found
+
     def forward(self, length: Tensor | None) -> Tensor:
         if length is None:
             return self.short
         return torch.where(length > self.original, self.long, self.short)
 
 
-SCALINGS: dict[str, type[nn.Module]] = {"yarn": Yarn, "dynamic": DynamicNtk, "longrope": LongRope}
+SCALINGS: dict[str, type[RotaryScaling]] = {"yarn": Yarn, "dynamic": DynamicNtk, "longrope": LongRope}
 
 
 def _keyword(name: str) -> Callable[[object], object]:
@@ -177,29 +225,14 @@ def _keyword(name: str) -> Callable[[object], object]:
 yarn_keyword, dynamic_ntk_keyword, longrope_keyword = _keyword("yarn"), _keyword("dynamic"), _keyword("longrope")
 
 
-def _option_problems(kw: str, o: object, pairs: int) -> list[str]:
-    """The out-of-range options of one scaling, naming its keyword; `pairs`: r / 2 rotated pairs."""
+def _option_problems(scaling: type[RotaryScaling], o: object, pairs: int) -> list[str]:
+    """The out-of-range options of one scaling, naming its keyword: those every scaling has, then its own."""
+    kw = scaling.keyword
     found = checks.whole(o.original_max_len, f"{kw} original_max_len")
-    if isinstance(o, (YarnOptions, DynamicNtkOptions)) and not (checks.number(o.factor) and o.factor >= 1):
-        found.append(f"{kw} needs factor >= 1, got {o.factor!r}")
-    if isinstance(o, YarnOptions) and not (checks.number(o.beta_fast) and checks.number(o.beta_slow)
-                                           and o.beta_fast > o.beta_slow > 0):
-        found.append(f"{kw} needs beta_fast > beta_slow > 0, got {o.beta_fast!r} and {o.beta_slow!r}")
-    if isinstance(o, YarnOptions) and not isinstance(o.truncate, bool):
-        found.append(f"{kw} truncate must be True or False, got {o.truncate!r}")
-    if isinstance(o, DynamicNtkOptions) and pairs < 2:
-        found.append(f"{kw} rescales the base by an exponent r / (r - 2): it needs a rotary dimension r >= 4")
-    if isinstance(o, LongRopeOptions):
-        for name in ("short_factor", "long_factor"):
-            given = getattr(o, name)
-            if len(given) != pairs or not all(checks.number(f) and f > 0 for f in given):
-                found.append(f"{kw} {name} needs {pairs} positive numbers (one per rotated pair), got {given!r}")
-        if not (checks.number(o.factor) and o.factor > 0):
-            found.append(f"{kw} factor must be a positive number, got {o.factor!r}")
     m = getattr(o, "attention_factor", None)
     if m is not None and not (checks.number(m) and m > 0):
         found.append(f"{kw} attention_factor must be a positive number or None, got {m!r}")
-    return found
+    return found + scaling.check(o, pairs)
 
 
 def problems(cfg: "LayersConfig") -> list[str]:
@@ -218,5 +251,5 @@ def problems(cfg: "LayersConfig") -> list[str]:
         if cfg.mixer is not None:
             found.append(f"{kw} scales the rotary of attention blocks; a mixer (attn_fnet, gau) does not take it")
         r = a.rotary_dim or a.dim_head - a.dim_head % 2
-        found += _option_problems(kw, a.rotary_scaling.options, r // 2)
+        found += _option_problems(scaling, a.rotary_scaling.options, r // 2)
     return found

@@ -39,7 +39,7 @@ def clipped(q_pos: Tensor, k_pos: Tensor, k: int) -> Tensor:
 class ShawRelative(RelativeStage):
     """Shaw et al.'s relative keys (and values) on q (b, h, i, d), keys (b, hk, j, d)."""
 
-    def __init__(self, options: ShawOptions, *, dim: int, heads: int, dim_head: int, causal: bool,
+    def __init__(self, options: ShawOptions, *, dim: int, heads: int, dim_head: int,
                  shared: nn.Module | None = None):
         super().__init__()
         self.k = options.max_distance

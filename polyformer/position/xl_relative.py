@@ -9,7 +9,7 @@ directions (an Encoder sees later keys: d < 0, as XLNet's bidirectional attentio
 
 The positional terms are evaluated without a table of distances: with s_p = sin(p ω), c_p = cos(p ω),
 sin((p - p') ω) and cos((p - p') ω) expand into products of the two positions' sinusoids, so
-(q_i + v)·W_R R_{i-j} = [a s_i + b c_i, b s_i - a c_i] · [c_j, s_j], where [a, b] = (q_i + v) W_R.
+(q_i + v)·W_R R_{i-j} = [b s_i - a c_i, a s_i + b c_i] · [s_j, c_j], where [a, b] = (q_i + v) W_R.
 That holds for any positions (padding, per-row positions, memories, a decode state) and is one
 (i, dim) x (dim, j) product per head: its cost is heads times that of q·k. Positions are taken
 relative to each row's first query, so the angles stay as small as the distances themselves.
@@ -46,7 +46,7 @@ class XLBiases(nn.Module):
 class XLRelative(RelativeStage):
     """The three relative terms of Transformer-XL's score on q (b, h, i, d), keys (b, hk, j, d)."""
 
-    def __init__(self, options: XLOptions, *, dim: int, heads: int, dim_head: int, causal: bool,
+    def __init__(self, options: XLOptions, *, dim: int, heads: int, dim_head: int,
                  shared: nn.Module | None = None):
         super().__init__()
         self.dim, self.heads = dim, heads
@@ -84,7 +84,6 @@ class XLRelative(RelativeStage):
         sq = sinusoidal(q_pos - origin, 2 * half, dtype=q32.dtype)[:, None]   # (b|1, 1, i, dim)
         sk = sinusoidal(kv.pos - origin, 2 * half, dtype=q32.dtype)[:, None]  # (b|1, 1, j, dim)
         s_i, c_i = sq[..., :half], sq[..., half:]
-        queries = torch.cat((a * s_i + c * c_i, c * s_i - a * c_i), dim=-1)   # (b, h, i, dim)
-        keys = torch.cat((sk[..., half:], sk[..., :half]), dim=-1)            # [c_j, s_j]
-        position = queries @ keys.transpose(-1, -2)                             # (b, h, i, j - free)
+        queries = torch.cat((c * s_i - a * c_i, a * s_i + c * c_i), dim=-1)   # (b, h, i, dim), against [s_j, c_j]
+        position = queries @ sk.transpose(-1, -2)                               # (b, h, i, j - free)
         return (content + pad_free(position, kv.free)) * scale

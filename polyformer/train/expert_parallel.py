@@ -46,6 +46,7 @@ class ExpertParallel:
 
     def sync(self) -> None:
         parallel.sync_gradients(self.model, self.groups)
+        parallel.broadcast_buffers(self.model)
 
     def clip(self, max_norm: float) -> Tensor:
         return parallel.clip_grad_norm(self.model, max_norm, self.groups)

@@ -11,7 +11,7 @@ from polyformer import AutoregressiveWrapper, quantize_int8
 from polyformer.generate import plan
 from polyformer.generate.fast import FastStep, fast_step
 from polyformer.layout import is_input_major
-from tests.generate.test_fast import COVERED, model_with, prefilled
+from tests.generate.test_fast import COVERED, model_with, steps_match
 from tests.helpers import ids
 
 
@@ -26,18 +26,7 @@ def expanding(model):
 @pytest.mark.parametrize("name", sorted(COVERED))
 def test_tuned_step_equals_the_module_path_to_rounding(name):
     model = model_with(name)
-    x = ids(3, 7)
-    mask = torch.ones(3, 7, dtype=torch.bool)
-    mask[1, :2] = False
-    mask[2, :5] = False
-    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
-    step = FastStep(model, tuned=True)
-    tokens = ids(3, 9, seed=5)
-    with torch.no_grad():
-        for t in range(tokens.shape[1]):
-            expected = model(tokens[:, t:t + 1], state=slow)
-            got = step(tokens[:, t:t + 1], state=fast)
-            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5, msg=f"{name}: step {t}")
+    slow, fast = steps_match(model, FastStep(model, tuned=True), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(fast.k, slow.k, atol=2e-5, rtol=1e-5)
     assert fast.length == slow.length and torch.equal(fast.pos, slow.pos)
 
@@ -160,44 +149,27 @@ def test_unknown_branches_and_stages_keep_the_module_path(monkeypatch):
 def test_int8_and_bfloat16_models_take_the_tuned_step_without_copies():
     for model in (quantize_int8(model_with("gqa_rotary_rms_swiglu")), model_with("default").to(torch.bfloat16)):
         plan.forget(model)
-        x, mask = ids(2, 5), torch.ones(2, 5, dtype=torch.bool)
-        slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
         step = FastStep(model, tuned=True)
         assert plan.layout_for(model).nbytes() == 0                  # copies are for float32 weights only
-        with torch.no_grad():
-            for t in range(4):
-                token = ids(2, 1, seed=t)
-                expected, got = model(token, state=slow), step(token, state=fast)
-                tol = 1e-5 if expected.dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+        tol = 1e-5 if next(model.parameters()).dtype == torch.float32 else 2e-2
+        steps_match(model, step, batch=2, steps=4, atol=tol, rtol=tol)
 
 
-def steps_equal_the_module_path(model, step, batch, steps=4, grad=False):
-    """`step` over a prefilled state of `batch` rows (one left-padded) equals the module path to rounding."""
-    x, mask = ids(batch, 5), torch.ones(batch, 5, dtype=torch.bool)
-    mask[-1, :2] = False
-    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
-    for t in range(steps):
-        token = ids(batch, 1, seed=t)
-        with torch.no_grad():
-            expected = model(token, state=slow)
-        with torch.set_grad_enabled(grad):
-            got = step(token, state=fast)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
-
-
-def test_one_plan_serves_other_batch_sizes_and_autograd_mode():
-    """The row buffers are remade for a new batch size; with autograd recording the step keeps the
-    blocks' own calls (buffers written in place take no gradient): the same logits either way."""
+def test_one_plan_serves_other_batch_sizes_and_autograd_and_autocast_modes():
+    """The row buffers are remade for a new batch size; with autograd recording or autocast on the step
+    keeps the blocks' own calls (buffers written in place take no gradient, no autocast): the same
+    logits either way."""
     model = model_with("gqa_rotary_rms_swiglu")
     step = fast_step(model)
     assert step.rows is not None
     for batch in (2, 3, 2):
-        steps_equal_the_module_path(model, step, batch)
-    steps_equal_the_module_path(model, step, 2, grad=True)
+        steps_match(model, step, batch, steps=4, atol=2e-5, rtol=1e-5)
+    steps_match(model, step, 2, steps=4, atol=2e-5, rtol=1e-5, grad=True)
+    steps_match(model, step, 2, steps=4, atol=2e-2, rtol=2e-2, autocast=True)
 
 
-@pytest.mark.parametrize("where, how", [("proj_out", "replace"), ("out", "replace"), ("proj_in", "in_place")])
+@pytest.mark.parametrize("where, how", [("proj_out", "replace"), ("out", "replace"), ("proj_in", "in_place"),
+                                        ("proj_in", "replace")])
 def test_weights_changed_during_a_stream_reach_the_row_plan(where, how, monkeypatch):
     """A weight replaced (`.data =`) or changed in place between two steps of one call is read at the
     next step, whether the plan reads it as it is (the shrinking products) or as an input-major copy."""
@@ -227,29 +199,3 @@ def test_weights_changed_during_a_stream_reach_the_row_plan(where, how, monkeypa
     linear.weight.data = original
     unchanged = AutoregressiveWrapper(model).generate(prompt, 8, temperature=0.0)[0].tolist()
     assert unchanged[:4] == fast[:4] and unchanged != fast          # the change did alter the later tokens
-
-
-def test_a_decode_steps_few_queries_keep_sdpa_and_longer_blocks_our_kernel(monkeypatch):
-    """cpu.applies: inference with up to FEW_QUERIES queries runs scaled_dot_product_attention (faster
-    at every length measured), more queries or a recorded call the compiled kernel, same values."""
-    from polyformer.attention.kernels import cpu
-    from polyformer.attention.kernels.dense import DenseKernel
-    from polyformer.attention.normalize import Softmax
-    from polyformer.interfaces import KV
-
-    if cpu.extension() is None:
-        pytest.skip("the compiled CPU kernel is not available")
-    calls = []
-    real = cpu.attention
-    monkeypatch.setattr(cpu, "attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
-    kernel = DenseKernel(4, 0.25, 0.0, Softmax())
-    k, v = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    for i in (1, cpu.FEW_QUERIES, cpu.FEW_QUERIES + 1):
-        q = torch.randn(1, 4, i, 8)
-        with torch.no_grad():
-            got = kernel(q, KV(k, v, None, None), mask=None, bias=None, causal=False).out
-        expected = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25, -1) @ v.repeat_interleave(2, 1)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert calls == [cpu.FEW_QUERIES + 1]
-    kernel(torch.randn(1, 4, 1, 8, requires_grad=True), KV(k, v, None, None), mask=None, bias=None, causal=False)
-    assert calls == [cpu.FEW_QUERIES + 1, 1]

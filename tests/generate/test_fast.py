@@ -47,6 +47,26 @@ def prefilled(model, x, mask):
     return state
 
 
+def steps_match(model, step, batch=3, steps=9, atol=0.0, rtol=0.0, grad=False, autocast=False):
+    """Feeds `steps` tokens to `step` and to the module path, each from a state holding the same prompts
+    (batch, 7), rows 1 and 2 left-padded by 2 and 5 (the key mask path); asserts their logits equal, bit
+    for bit unless given a tolerance. Returns the module path's state and the step's."""
+    x, mask = ids(batch, 7), torch.ones(batch, 7, dtype=torch.bool)
+    for row, pad in zip(range(1, batch), (2, 5)):
+        mask[row, :pad] = False
+    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
+    tokens = ids(batch, steps, seed=5)
+    for t in range(steps):
+        token = tokens[:, t:t + 1]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.no_grad():
+                expected = model(token, state=slow)
+            with torch.set_grad_enabled(grad):
+                got = step(token, state=fast)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m: f"step {t}: {m}")
+    return slow, fast
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_fast_step_is_bit_identical_to_the_module_path_or_names_why_not(name):
     model = model_with(name)
@@ -58,18 +78,7 @@ def test_fast_step_is_bit_identical_to_the_module_path_or_names_why_not(name):
         with pytest.raises(ValueError, match="fast decode step does not cover"):
             FastStep(model)
         return
-    x = ids(3, 7)
-    mask = torch.ones(3, 7, dtype=torch.bool)
-    mask[1, :2] = False                                   # left padding: the key mask path
-    mask[2, :5] = False
-    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
-    step = FastStep(model)
-    tokens = ids(3, 9, seed=5)
-    with torch.no_grad():
-        for t in range(tokens.shape[1]):
-            expected = model(tokens[:, t:t + 1], state=slow)
-            got = step(tokens[:, t:t + 1], state=fast)
-            assert torch.equal(got, expected), f"{name}: step {t} differs by {(got - expected).abs().max():.3g}"
+    slow, fast = steps_match(model, FastStep(model))
     for a, b in ((slow.k, fast.k), (slow.v, fast.v), (slow.pos, fast.pos), (slow.mask, fast.mask)):
         assert torch.equal(a, b)
     assert slow.shift.keys() == fast.shift.keys()                    # token-shift histories
@@ -79,14 +88,8 @@ def test_fast_step_is_bit_identical_to_the_module_path_or_names_why_not(name):
 
 def test_int8_and_unpadded_batches_are_identical_too():
     model = quantize_int8(model_with("gqa_rotary_rms_swiglu"))
-    x, mask = ids(1, 5), torch.ones(1, 5, dtype=torch.bool)
-    slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
+    slow, fast = steps_match(model, FastStep(model), batch=1, steps=6)
     assert not fast.padded
-    step = FastStep(model)
-    with torch.no_grad():
-        for t in range(6):
-            token = ids(1, 1, seed=t)
-            assert torch.equal(step(token, state=fast), model(token, state=slow))
 
 
 @pytest.mark.parametrize("name, reason", [
@@ -179,13 +182,5 @@ def test_speculative_drafts_and_beam_steps_take_the_fast_step_with_the_same_resu
 
 @pytest.mark.parametrize("name", ["default", "gqa_rotary_rms_swiglu", "alibi_gqa_shift_memory_tokens"])
 def test_bfloat16_weights_and_autocast_are_identical_too(name):
-    x, mask = ids(2, 5), torch.ones(2, 5, dtype=torch.bool)
-    mask[1, :2] = False
     for model, autocast in ((model_with(name).to(torch.bfloat16), False), (model_with(name), True)):
-        slow, fast = prefilled(model, x, mask), prefilled(model, x, mask)
-        step = FastStep(model)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for t in range(5):
-                token = ids(2, 1, seed=t)
-                expected, got = model(token, state=slow), step(token, state=fast)
-                assert got.dtype == expected.dtype and torch.equal(got, expected)
+        steps_match(model, FastStep(model), batch=2, steps=5, autocast=autocast)

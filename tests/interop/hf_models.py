@@ -96,3 +96,52 @@ def left_padding(b: int = 3, n: int = 9) -> torch.Tensor:
 
 def right_padding(b: int = 3, n: int = 9) -> torch.Tensor:
     return left_padding(b, n).flip(-1)
+
+
+# ---- encoder-decoders (T5, Switch Transformers) ----------------------------------------------------
+
+def seq2seq(config: Any, cls: str, seed: int = 0, untie: bool = False) -> torch.nn.Module:
+    """A tiny T5-shaped transformers model (`cls` of `config`: T5, Switch) with transformers' own
+    initialisation (unit-variance activations, queries d_kv ** -0.5 smaller, so scores stay
+    well-conditioned in float32), norm weights spread around 1, the shared embedding 0.2 times its size
+    (else it dominates the stream and a tied head echoes its input) and, `untie`, a head of its own."""
+    torch.manual_seed(seed)
+    hf = getattr(transformers, cls)(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        hf.shared.weight.mul_(0.2)
+    if untie and hasattr(hf, "lm_head"):     # a Parameter of its own: transformers 5.x ties T5's head to `shared`
+        head = torch.randn(hf.lm_head.weight.shape, generator=g) * config.d_model ** -0.5
+        hf.lm_head.weight = torch.nn.Parameter(head)
+    return hf
+
+
+def source(vocab: int, b: int = 3, n: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoder ids and their mask: row 0 whole, row 1 right-padded, row 2 left-padded."""
+    x = torch.randint(1, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, n - 4:] = False
+    mask[2, :3] = False
+    return x, mask
+
+
+def target(vocab: int, b: int = 3, n: int = 7, seed: int = 2) -> torch.Tensor:
+    """Decoder ids."""
+    return torch.randint(0, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def seq2seq_logits(model: Any, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """An XTransformer's logits of `tgt` given the masked source, as transformers computes them."""
+    encoded = model.encoder(src, mask=mask, return_embeddings=True)
+    return model.decoder.net(tgt, context=encoded, context_mask=mask)
+
+
+def hf_seq2seq_logits(hf: torch.nn.Module, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()

@@ -10,6 +10,7 @@ import transformers
 from polyformer import AutoregressiveWrapper, Decoder, TransformerWrapper
 from polyformer.interop import from_hf, to_hf
 from polyformer.interop.family import Unsupported
+from polyformer.losses import forward_with_losses
 
 from .hf_models import NO_SPECIALS, ids, left_padding, spread
 
@@ -27,8 +28,8 @@ SHAPES = {
 
 def mixtral(shape: str, seed: int = 0, **extra) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return spread(transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPES[shape], **NO_SPECIALS, **extra)),
-                  seed)
+    config = transformers.MixtralConfig(**{**SHAPES[shape], **extra}, **NO_SPECIALS)
+    return spread(transformers.MixtralForCausalLM(config), seed)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -48,6 +49,21 @@ def test_logits_agree_and_write_back(shape):
         assert type(back).__name__ == "MixtralForCausalLM"
         assert (back(x).logits - hf(x).logits).abs().max() <= 1e-6
         assert all(torch.equal(t, hf.state_dict()[n]) for n, t in back.state_dict().items())
+
+
+@pytest.mark.parametrize("shape", ["top1_of_3_tied", "top2_of_4"])
+def test_weighted_balance_loss_equals_transformers_aux_loss(shape):
+    """One layer: moe_balance times its weight is router_aux_loss_coef times transformers' aux_loss, which
+    sums the routed fractions over the k slots (so ff_moe_balance_loss = coefficient * k)."""
+    hf = mixtral(shape, num_hidden_layers=1, router_aux_loss_coef=0.02)
+    model = from_hf(hf)
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        theirs = hf(x, output_router_logits=True).aux_loss
+        _, ours = forward_with_losses(model, x)
+    assert theirs > 1.0 * hf.config.num_experts_per_tok     # not the uniform-routing minimum
+    torch.testing.assert_close(ours.terms["moe_balance"] * ours.weights["moe_balance"], 0.02 * theirs, rtol=1e-5,
+                               atol=0)
 
 
 def test_greedy_generation_agrees():

@@ -10,15 +10,12 @@ from polyformer import TransformerWrapper
 from polyformer.generate.decode import left_padded_positions
 from polyformer.interop import from_hf
 
-from .hf_models import BERT_SHAPES, GPT2_SHAPES, LLAMA_SHAPES, bert, gpt2, ids, left_padding, llama, right_padding
+from .hf_models import (BERT_SHAPES, GPT2_SHAPES, LLAMA_SHAPES, bert, gpt2, ids, left_padding, llama, max_diff,
+                        right_padding)
 
 TOL = 1e-5
 DECODERS = [pytest.param(gpt2, s, id=f"gpt2-{s}") for s in GPT2_SHAPES] + \
            [pytest.param(llama, s, id=f"llama-{s}") for s in LLAMA_SHAPES]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 @pytest.mark.parametrize("make, shape", DECODERS)

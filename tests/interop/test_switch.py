@@ -16,7 +16,7 @@ from polyformer import Encoder, TransformerWrapper, XTransformer
 from polyformer.interop import Unsupported, from_hf, load_hf, save_hf, to_hf
 from polyformer.losses import forward_with_losses
 
-from .hf_models import transformers
+from .hf_models import hf_seq2seq_logits, max_diff, seq2seq, seq2seq_logits, source, target, transformers
 
 TOL = 1e-5
 START = 0
@@ -39,47 +39,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def switch(shape: str, cls: str = "SwitchTransformersForConditionalGeneration", seed: int = 0, **extra: Any
            ) -> torch.nn.Module:
-    """A tiny Switch model with transformers' initialisation, norm weights spread around 1, a smaller shared
-    embedding (else it dominates the stream) and, untied, a head of its own."""
-    torch.manual_seed(seed)
+    """A tiny Switch model (hf_models.seq2seq); untied, a head of its own."""
     config = transformers.SwitchTransformersConfig(**{**SHAPES[shape], **extra}, dropout_rate=0.0,
                                                    decoder_start_token_id=START)
-    hf = getattr(transformers, cls)(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-        hf.shared.weight.mul_(0.2)
-        if not config.tie_word_embeddings and hasattr(hf, "lm_head"):
-            hf.lm_head.weight.copy_(torch.randn(hf.lm_head.weight.shape, generator=g) * config.d_model ** -0.5)
-    return hf
-
-
-def source(vocab: int, b: int = 3, n: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoder ids and their mask: row 0 whole, row 1 right-padded, row 2 left-padded."""
-    x = torch.randint(1, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[1, n - 4:] = False
-    mask[2, :3] = False
-    return x, mask
-
-
-def target(vocab: int, b: int = 3, n: int = 7, seed: int = 2) -> torch.Tensor:
-    return torch.randint(0, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model: XTransformer, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    encoded = model.encoder(src, mask=mask, return_embeddings=True)
-    return model.decoder.net(tgt, context=encoded, context_mask=mask)
-
-
-def hf_logits(hf: torch.nn.Module, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    return hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+    return seq2seq(config, cls, seed, untie=not config.tie_word_embeddings)
 
 
 def dropped(hf: torch.nn.Module, run: Any) -> dict[str, int]:
@@ -111,9 +74,9 @@ def test_conditional_generation_logits_agree(shape):
     src, mask = source(hf.config.vocab_size)
     tgt = target(hf.config.vocab_size)
     with torch.no_grad():
-        theirs = hf_logits(hf, src, mask, tgt)
+        theirs = hf_seq2seq_logits(hf, src, mask, tgt)
         assert theirs.abs().max() > 0.5
-        assert max_diff(logits(model, src, mask, tgt), theirs) <= TOL
+        assert max_diff(seq2seq_logits(model, src, mask, tgt), theirs) <= TOL
         # padding is routed as transformers routes it, so even the padded positions agree
         encoded = model.encoder(src, mask=mask, return_embeddings=True)
         assert max_diff(encoded, hf.encoder(input_ids=src, attention_mask=mask.long()).last_hidden_state) <= TOL
@@ -129,13 +92,13 @@ def test_tokens_dropped_by_capacity_agree(shape):
     src, mask = source(hf.config.vocab_size)
     tgt = target(hf.config.vocab_size)
     out: dict[str, torch.Tensor] = {}
-    counts = dropped(hf, lambda: out.update(theirs=hf_logits(hf, src, mask, tgt)))
+    counts = dropped(hf, lambda: out.update(theirs=hf_seq2seq_logits(hf, src, mask, tgt)))
     assert counts["encoder"] > 0 and counts["decoder"] > 0, counts
     with torch.no_grad():
-        ours = logits(model, src, mask, tgt)
+        ours = seq2seq_logits(model, src, mask, tgt)
         assert max_diff(ours, out["theirs"]) <= TOL
         unlimited = from_hf(switch(shape, expert_capacity=64))
-        assert max_diff(logits(unlimited, src, mask, tgt), ours) > 1e-3
+        assert max_diff(seq2seq_logits(unlimited, src, mask, tgt), ours) > 1e-3
 
 
 def test_encoder_model_agrees_with_drops_and_padding():
@@ -166,7 +129,7 @@ def test_to_hf_gives_the_same_model(shape):
     src, mask = source(hf.config.vocab_size)
     tgt = target(hf.config.vocab_size, seed=3)
     with torch.no_grad():
-        assert max_diff(hf_logits(back, src, mask, tgt), hf_logits(hf, src, mask, tgt)) <= TOL
+        assert max_diff(hf_seq2seq_logits(back, src, mask, tgt), hf_seq2seq_logits(hf, src, mask, tgt)) <= TOL
 
 
 def test_save_hf_loads_in_transformers_and_back(tmp_path):

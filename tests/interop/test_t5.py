@@ -14,7 +14,7 @@ import torch
 from polyformer import Encoder, TransformerWrapper, XTransformer
 from polyformer.interop import Unsupported, from_hf, load_hf, save_hf, to_hf
 
-from .hf_models import transformers
+from .hf_models import hf_seq2seq_logits, max_diff, seq2seq, seq2seq_logits, source, target, transformers
 
 TOL = 1e-5
 START = 0           # decoder_start_token_id (T5's pad id)
@@ -33,46 +33,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def t5(shape: str, cls: str = "T5ForConditionalGeneration", seed: int = 0, untie: bool | None = None,
-       **extra: Any) -> torch.nn.Module:
-    """A tiny T5 with T5's own initialisation (unit-variance activations, queries d_kv ** -0.5 smaller, so
-    scores stay well-conditioned in float32) and norm weights spread around 1; v1.1 gets a head of its own,
-    as its checkpoints load."""
-    torch.manual_seed(seed)
+def t5(shape: str, cls: str = "T5ForConditionalGeneration", seed: int = 0, **extra: Any) -> torch.nn.Module:
+    """A tiny T5 (hf_models.seq2seq); v1.1 gets a head of its own, as its checkpoints load."""
     config = transformers.T5Config(**{**SHAPES[shape], **extra}, dropout_rate=0.0, decoder_start_token_id=START)
-    hf = getattr(transformers, cls)(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-        hf.shared.weight.mul_(0.2)      # else the embedding dominates the stream and a tied head echoes its input
-    if (untie if untie is not None else shape == "v1_1") and hasattr(hf, "lm_head"):
-        head = torch.randn(hf.lm_head.weight.shape, generator=g) * config.d_model ** -0.5
-        hf.lm_head.weight = torch.nn.Parameter(head)
-    return hf
-
-
-def source(vocab: int, b: int = 3, n: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoder ids and their mask: row 0 whole, row 1 right-padded, row 2 left-padded."""
-    x = torch.randint(1, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[1, n - 4:] = False
-    mask[2, :3] = False
-    return x, mask
-
-
-def logits(model: XTransformer, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    encoded = model.encoder(src, mask=mask, return_embeddings=True)
-    return model.decoder.net(tgt, context=encoded, context_mask=mask)
-
-
-def hf_logits(hf: torch.nn.Module, src: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    return hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+    return seq2seq(config, cls, seed, untie=shape == "v1_1")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -82,16 +46,16 @@ def test_conditional_generation_logits_agree(shape):
     assert isinstance(model, XTransformer)
     assert (model.decoder.net.to_logits is None) == (shape != "v1_1")      # tied unless the checkpoint unties
     src, mask = source(hf.config.vocab_size)
-    tgt = torch.randint(0, hf.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    tgt = target(hf.config.vocab_size)
     with torch.no_grad():
-        ours, theirs = logits(model, src, mask, tgt), hf_logits(hf, src, mask, tgt)
+        ours, theirs = seq2seq_logits(model, src, mask, tgt), hf_seq2seq_logits(hf, src, mask, tgt)
         assert theirs.abs().max() > 0.5
         assert max_diff(ours, theirs) <= TOL
         encoded = model.encoder(src, mask=mask, return_embeddings=True)
         hf_encoded = hf.encoder(input_ids=src, attention_mask=mask.long()).last_hidden_state
         assert max_diff(encoded[mask], hf_encoded[mask]) <= TOL
         # the padded keys are really left out: a row alone, unpadded, gives the same logits
-        alone = logits(model, src[1:2, mask[1]], mask[1:2, mask[1]], tgt[1:2])
+        alone = seq2seq_logits(model, src[1:2, mask[1]], mask[1:2, mask[1]], tgt[1:2])
         assert max_diff(alone[0], ours[1]) <= TOL
 
 
@@ -128,9 +92,9 @@ def test_to_hf_gives_the_same_logits(shape):
     assert type(back) is type(hf)
     assert (back.lm_head.weight is back.shared.weight) == (shape != "v1_1")
     src, mask = source(hf.config.vocab_size)
-    tgt = torch.randint(0, hf.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(3))
+    tgt = target(hf.config.vocab_size, n=6, seed=3)
     with torch.no_grad():
-        assert max_diff(hf_logits(back, src, mask, tgt), logits(model, src, mask, tgt)) <= TOL
+        assert max_diff(hf_seq2seq_logits(back, src, mask, tgt), seq2seq_logits(model, src, mask, tgt)) <= TOL
     if shape != "tied_unscaled":        # the canonical v1.0 / v1.1 layouts come back tensor for tensor
         theirs, again = hf.state_dict(), back.state_dict()
         assert list(again) == list(theirs)
@@ -158,11 +122,11 @@ def test_save_hf_untied_head_loads_in_transformers(tmp_path):
     loaded = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
     again = load_hf(out)
     src, mask = source(hf.config.vocab_size)
-    tgt = torch.randint(0, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
+    tgt = target(hf.config.vocab_size, n=5, seed=4)
     with torch.no_grad():
-        want = hf_logits(hf, src, mask, tgt)
-        assert max_diff(hf_logits(loaded, src, mask, tgt), want) <= TOL
-        assert max_diff(logits(again, src, mask, tgt), want) <= TOL
+        want = hf_seq2seq_logits(hf, src, mask, tgt)
+        assert max_diff(hf_seq2seq_logits(loaded, src, mask, tgt), want) <= TOL
+        assert max_diff(seq2seq_logits(again, src, mask, tgt), want) <= TOL
 
 
 @pytest.mark.parametrize("shape, seed", [("v1_0", 6), ("v1_1", 0)])
@@ -220,14 +184,14 @@ def test_converted_model_rebuilds_from_its_config_and_old_checkpoints_load(tmp_p
     rebuilt = build_model(model_config(model)).eval()
     rebuilt.load_state_dict(model.state_dict())
     src, mask = source(hf.config.vocab_size)
-    tgt = torch.randint(0, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(5))
+    tgt = target(hf.config.vocab_size, n=5, seed=5)
     with torch.no_grad():
-        assert torch.equal(logits(rebuilt, src, mask, tgt), logits(model, src, mask, tgt))
+        assert torch.equal(seq2seq_logits(rebuilt, src, mask, tgt), seq2seq_logits(model, src, mask, tgt))
     out = save_hf(model, tmp_path / "t5")
     tensors = load_file(str(out / "model.safetensors"))
     tensors["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = torch.randn(32, 3)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     with torch.no_grad():
-        assert torch.equal(logits(load_hf(out), src, mask, tgt), logits(model, src, mask, tgt))
+        assert torch.equal(seq2seq_logits(load_hf(out), src, mask, tgt), seq2seq_logits(model, src, mask, tgt))
     with pytest.raises(SystemExit, match="encoder-decoder"):
         from_hf_dir(str(out), str(tmp_path / "run"))

@@ -1,10 +1,12 @@
 """MoE decoders with a capacity limit: causal (no token is evicted by a later one), and decoded with the
 running counts in the decode state, cached == uncached through rollback, clone and reorder."""
 
+import pytest
 import torch
 from torch.testing import assert_close
 
 from tests.helpers import ids, tiny_lm
+from tests.moe.helpers import context, moe_layer
 from tests.options import perturb
 
 CAPACITY = dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=2, ff_moe_capacity_factor=0.5, ff_glu=True)
@@ -31,14 +33,16 @@ def test_a_decoder_with_capacity_is_causal():
 
 
 def test_an_encoder_with_capacity_sees_the_whole_row():
-    from polyformer import Encoder, TransformerWrapper
-
-    torch.manual_seed(0)
-    net = TransformerWrapper(num_tokens=64, max_seq_len=32,
-                             attn_layers=Encoder(dim=32, depth=1, heads=4, **CAPACITY)).eval()
-    x = ids(1, 16)
-    short = net(x[:, :8])
-    assert not torch.allclose(net(x)[:, :8], short)     # the row's capacity grows with its length
+    # the layer alone (no attention to mix the row): only the capacity can make the first tokens see the others
+    options = {k: v for k, v in CAPACITY.items() if k != "ff_moe"}
+    x = torch.randn(1, 16, 8)
+    for causal in (False, True):
+        layer = moe_layer(causal=causal, **options)
+        full, short = layer(x, context(x, causal))[:, :8], layer(x[:, :8], context(x[:, :8], causal))
+        if causal:          # the running capacity of token i depends on no later token
+            assert_close(full, short)
+        else:               # the row's capacity grows with its length: fewer of the first tokens dropped
+            assert not torch.allclose(full, short)
 
 
 def test_cached_steps_with_capacity_equal_the_uncached_forward():
@@ -76,3 +80,11 @@ def test_generation_with_capacity_cached_equals_uncached():
     prompts = ids(2, 4)
     cached = ar.generate(prompts, 10, temperature=0.0)
     assert torch.equal(cached, ar.generate(prompts, 10, temperature=0.0, cache_kv=False))
+
+
+def test_the_exported_decode_step_refuses_the_running_counts_by_name():
+    from polyformer.export import DecodeStep
+
+    with pytest.raises(ValueError, match="ff_moe_capacity_factor / ff_moe_capacity"):
+        DecodeStep(model())
+    DecodeStep(model(ff_moe_capacity_factor=None))      # without a limit the state is keys and values only

@@ -148,3 +148,42 @@ def test_a_model_without_experts_is_refused():
     model = TransformerWrapper(num_tokens=32, max_seq_len=12, attn_layers=Decoder(dim=16, depth=1, heads=2))
     with pytest.raises(ValueError, match="train.expert_parallel > 1 .* ff_moe=True"):
         parallel.place(model, parallel.Groups(None, None, 2, 0, 2))
+
+
+def _buffers_worker(rank: int, port: int, out: str) -> None:
+    faulthandler.dump_traceback_later(120, exit=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = build(attn_routing=True, attn_routing_clusters=2, attn_routing_window=4)
+        g = parallel.groups(2)
+        parallel.place(model, g)
+
+        def sync() -> None:
+            parallel.sync_gradients(model, g)
+            parallel.broadcast_buffers(model)
+
+        train(model, slice(rank, None, 2), sync, lambda: None)
+        centroids = torch.cat([b.flatten() for n, b in model.named_buffers() if n.endswith("centroids")])
+        both = [torch.empty_like(centroids) for _ in range(2)]
+        dist.all_gather(both, centroids)
+        if rank == 0:
+            torch.save(both, Path(out) / "centroids.pt")
+    finally:                        # reference cycles freed while the group lives (see train/distributed.py)
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_state_a_forward_updates_stays_one_model_across_ranks(tmp_path):
+    """k-means centroids move with each rank's own rows; after each step every rank holds rank 0's, as DDP."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_buffers_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    first, second = torch.load(tmp_path / "centroids.pt")
+    fresh = build(attn_routing=True, attn_routing_clusters=2, attn_routing_window=4)
+    initial = torch.cat([b.flatten() for n, b in fresh.named_buffers() if n.endswith("centroids")])
+    assert not torch.allclose(first, initial)      # the forwards did move them
+    assert torch.equal(first, second)

@@ -46,6 +46,7 @@ BAD = [
     (dict(ff_moe=True, ff_chunks=2), "ff_chunks"),
     (dict(ff_moe=True, deepnorm=True), "deepnorm"),
     (dict(ff_moe=True, ff_moe_capacity=2, universal=True), "universal"),
+    (dict(ff_moe=True, ff_moe_every=2, universal=True), "shared unit of universal=True"),   # the unit has one
     (dict(ff_num_experts=4), "ff_moe=True"),
     (dict(ff_moe_top_k=1, ff_moe_capacity_factor=1.0), "ff_moe=True"),
 ]

@@ -117,3 +117,23 @@ def test_bfloat16_runs_with_a_float32_router():
     assert out.dtype == torch.bfloat16
     ref = layer.float()(x.float(), context(x))      # the same routing: the router saw these values in float32
     assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_traced_path_runs_every_expert_and_equals_the_dispatch(kind, monkeypatch):
+    # torch.compile / export take `Experts.everywhere`: every expert on every token, the dropped choices' gates 0
+    layer = moe_layer(causal=True, ff_num_experts=4, ff_moe_top_k=2, ff_moe_capacity_factor=0.5,
+                      ff_moe_shared_experts=1, **KINDS[kind])
+    x = torch.randn(2, 9, 8)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    dispatched = layer(x, context(x, True, mask))
+    monkeypatch.setattr("polyformer.moe.layer.values_hidden", lambda: True)
+    seen = spy_counts(layer)
+    traced = layer(x, context(x, True, mask))
+    assert seen == []                                   # not the sorted dispatch
+    assert_close(traced, dispatched, atol=1e-6, rtol=1e-5)
+    experts = torch.softmax(x @ layer.router.weight.T, -1).topk(2, -1).indices
+    keep = reference_keep(experts, mask, 4, 2, 0.5, None, True)
+    assert (~keep[mask]).any()                          # the capacity drops some choices
+    assert_close(traced, reference_output(layer, x, keep), atol=1e-6, rtol=1e-5)

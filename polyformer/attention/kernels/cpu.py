@@ -44,14 +44,13 @@ import shutil
 import sys
 import threading
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
 
-from ...autodiff import transformed
+from ...autodiff import deeper, transformed
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_backward.cpp", "cpu_module.cpp")]
@@ -70,23 +69,14 @@ _off = [0]                                  # depth of `switched_off()` blocks
 _recompute = [0]                            # depth of `recomputed_weights()` blocks
 
 
-@contextmanager
-def _deeper(depth: list[int]) -> Iterator[None]:
-    depth[0] += 1
-    try:
-        yield
-    finally:
-        depth[0] -= 1
-
-
 def switched_off() -> ContextManager[None]:
     """Within the block every call keeps `scaled_dot_product_attention` (the benchmarks' baseline)."""
-    return _deeper(_off)
+    return deeper(_off)
 
 
 def recomputed_weights() -> ContextManager[None]:
     """Within the block no call keeps its weights: the backward recomputes them (tests, benchmarks)."""
-    return _deeper(_recompute)
+    return deeper(_recompute)
 
 
 def kept_floats(i: int, j: int, causal: bool, window: int = 0) -> int:

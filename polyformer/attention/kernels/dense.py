@@ -16,6 +16,15 @@ from ..mixing import TalkingHeads
 from . import cpu
 
 
+
+def additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The keep-mask and score bias folded into SDPA's one mask: the bias in `dtype` with -inf where
+    keep is False; the keep-mask alone without a bias."""
+    if bias is None:
+        return keep
+    mask = bias.to(dtype)
+    return mask.masked_fill(~keep, float("-inf")) if keep is not None else mask
+
 def match_heads(t: Tensor, heads: int) -> Tensor:
     """(b, hk, j, d) -> (b, heads, j, d): each kv head serves heads // hk query heads in a row."""
     hk = t.shape[1]
@@ -84,12 +93,7 @@ class DenseKernel(nn.Module):
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
             mask = keep if mask is None else mask & keep
             causal = False
-        attn_mask = mask
-        if bias is not None:     # fold bias and mask into one additive mask
-            attn_mask = bias.to(q.dtype)
-            if mask is not None:
-                attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(mask, bias, q.dtype), dropout_p=p,
                                               is_causal=causal, scale=self.scale, enable_gqa=gqa)
 
     def reference(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from ... import checks
 from ...config import LayersConfig
 from ...interfaces import KV, AttnOut, Caps, KernelSpec
-from ...precision import HIDDEN, upcast
+from ...precision import upcast
+from ..normalize import masked_softmax
 from .dense import match_heads
 
 
@@ -68,14 +69,11 @@ class DistanceAware(nn.Module):
         offset = q_pos[..., :, None] - kv.pos[..., None, :]                      # (b|1, i, j - free)
         weight = distance_weight(offset.abs(), upcast(self.alpha), upcast(self.beta))
         scores = scores * F.pad(weight, (free, 0), value=1.0) * self.scale
-        hidden = None
-        if kv.mask is not None:
-            hidden = ~kv.mask[:, None, :]                                        # (b, 1, j - free)
+        keep = kv.mask[:, None, :] if kv.mask is not None else None             # (b, 1, j - free)
         if causal:
-            later = offset < 0
-            hidden = later if hidden is None else hidden | later
-        if hidden is not None:
-            scores = scores.masked_fill(F.pad(hidden, (free, 0), value=False)[:, None], HIDDEN)
-        weights = scores.softmax(-1) * (scores > HIDDEN / 2).any(-1, keepdim=True)   # a query seeing no key: 0
+            keep = offset >= 0 if keep is None else keep & (offset >= 0)
+        if keep is not None:
+            keep = F.pad(keep, (free, 0), value=True)[:, None]                   # (b|1, 1, i|1, j)
+        weights = masked_softmax(scores, keep)                                   # a query seeing no key: 0
         out = self.dropout(weights).to(v.dtype) @ v
         return AttnOut(out.to(q.dtype), weights=weights.to(q.dtype) if need_weights else None)
