@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .act import ActOptions
+from .early_exit import ExitOptions
 from .hourglass import HourglassOptions
 from .moe.options import MoeOptions
+from .attention.knn_memory import KnnMemoryOptions
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class LayersConfig:
     ut_timestep_emb: bool = False       # its coordinate embedding (position and step sinusoids) before every step
     act: ActOptions | None = None       # ACT halting per position over the universal steps (act.py)
     hourglass: HourglassOptions | None = None   # Hourglass (hourglass.py): middle layers on a shortened sequence
+    early_exit: ExitOptions | None = None   # early exit (early_exit.py): exit_layers, exit_confidence, exit_threshold
+    knn_memory: KnnMemoryOptions | None = None   # Memorizing Transformer (attention/knn_memory.py): kNN memory blocks
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     attention_layers: tuple[AttentionConfig, ...] | None = None   # one per self-attention block (attn_per_layer,
                                         # per_layer.py): the stack's `attention` with the block's own keywords on top

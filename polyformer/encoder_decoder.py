@@ -3,6 +3,7 @@ decoder's next-token loss. Keywords take `enc_` / `dec_` prefixes."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -15,8 +16,8 @@ from .losses import AuxLosses, forward_with_losses, with_aux
 from .stack import Decoder, Encoder
 from .wrappers import TransformerWrapper
 
-WRAPPER_KEYWORDS = ("num_tokens", "max_seq_len", "emb_dim", "emb_dropout", "num_memory_tokens",
-                    "use_abs_pos_emb", "scaled_sinu_pos_emb", "tie_embedding", "logits_bias")
+WRAPPER_KEYWORDS = tuple(name for name in inspect.signature(TransformerWrapper.__init__).parameters
+                         if name not in ("self", "attn_layers"))     # every wrapper keyword, on either side
 OWN_KEYWORDS = ("dim", "tie_token_emb", "ignore_index", "pad_value")
 
 

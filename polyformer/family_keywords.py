@@ -4,6 +4,8 @@ row per public keyword, merged into `keywords.KEYWORDS`; the x-transformers keyw
 from __future__ import annotations
 
 from .act import ActOptions
+from .early_exit import keyword as _early_exit
+from .attention.knn_memory import layers_keyword as knn_layers
 from .hourglass import keyword as _hourglass
 from .moe.options import MoeOptions
 from .per_layer import parse as _per_layer
@@ -101,6 +103,10 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "act_threshold": Route("act.threshold"),
     "act_max_steps": Route("act.max_steps"),
     "act_ponder_weight": Route("act.ponder_weight"),
+    # early exit, depth-adaptive transformer / CALM (early_exit.py): exit layers, confidence measure, threshold
+    "exit_layers": Route("early_exit", _early_exit),
+    "exit_confidence": Route("early_exit.confidence"),
+    "exit_threshold": Route("early_exit.threshold"),
     # Hourglass (hourglass.py): pre layers, layers on the pooled sequence (nested per factor), upsampling, post layers
     "hourglass": Route("hourglass", _hourglass),
     "hourglass_depths": Route("hourglass.depths", sequence(
@@ -127,6 +133,13 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "rotary_longrope": Route("attention.rotary_scaling", longrope_keyword),
     # per-layer attention options (per_layer.py): one dict of attention keywords per self-attention block
     "attn_per_layer": Route("attention_layers", _per_layer),
+    # Infini-attention (attention/kernels/infini.py): segment-local attention + a compressive memory, causal
+    "attn_infini": flag(attention__kernel__infini={}),
+    "attn_infini_segment": Route("attention.kernel.infini.segment"),
+    "attn_infini_delta": Route("attention.kernel.infini.delta"),
+    # Landmark attention (attention/kernels/landmark.py; the wrapper inserts the landmarks, landmark.py)
+    "landmark_block": Route("attention.kernel.landmark.block"),
+    "landmark_topk": Route("attention.kernel.landmark.topk"),
     # mixture-of-experts feedforward (moe/): routed experts at every ff_moe_every-th feedforward block
     "ff_moe": flag(ff__moe=MoeOptions()),
     "ff_num_experts": Route("ff.moe.num_experts"),
@@ -142,4 +155,11 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     # Switch Transformers interop (interop/switch.py): transformers' sparse-layer placement and padding routing
     "ff_moe_offset": Route("ff.moe.offset"),
     "ff_moe_route_padding": Route("ff.moe.route_padding"),
+    # Memorizing Transformer (attention/knn_memory.py): top-k retrieval from a per-row memory of past keys / values
+    "knn_memory_layers": Route("knn_memory", knn_layers),
+    "knn_memory_size": Route("knn_memory.size"),
+    "knn_topk": Route("knn_memory.topk"),
+    "knn_index": Route("knn_memory.index"),
+    "knn_index_backend": Route("knn_memory.backend"),
+    "knn_memory_write": Route("knn_memory.write"),
 }

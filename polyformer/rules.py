@@ -174,10 +174,12 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
     from . import deepnet, hourglass, moe, reversible, universal
+    from .attention import knn_memory
     from .attention.kernels import direct
     from .position import relative, rotary_scaling
 
-    found = [problem for piece in (direct, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling)
+    found = [problem for piece in (direct, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling,
+                                   knn_memory)
              for problem in piece.problems(cfg)]      # each variant's own checks, in this order
     if found:
         raise ValueError(f"{owner}: " + found[0])

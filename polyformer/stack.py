@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import checks, deepnet, per_layer, reversible, rules, universal
+from . import checks, deepnet, early_exit, per_layer, reversible, rules, universal
+from .attention import knn_memory
 from .attention.attention import Attention
 from .position import relative
 from .config import LayersConfig
@@ -126,6 +127,7 @@ class AttentionLayers(nn.Module):
         return_attn: keep the attention weights (forces the reference path); returns
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
+        knn_clear: (b,) bool, with knn_memory_layers: clear these rows' kNN memories first (a new document).
     """
 
     fixed: dict[str, Any] = {}
@@ -191,6 +193,7 @@ class AttentionLayers(nn.Module):
                 post_norm=norm() if cfg.placement == "post" else None,
                 shift=shift, scale=0.5 if cfg.macaron and kind == "f" else 1.0, index=index))
         self.blocks = nn.ModuleList(blocks)
+        knn_memory.attach(self)             # knn_memory_layers: those blocks' kNN memories
         self.layer_pos: nn.Module | None = None     # a wrapper's abs_pos_per_layer tables (position/per_layer_abs.py)
         per_layer.check_state(self, owner)      # attn_per_layer: one decode state for blocks of their own shapes
         # DeepNet: alpha into the residuals, the beta-scaled init of the blocks' weights (deepnet.py)
@@ -199,6 +202,7 @@ class AttentionLayers(nn.Module):
         self.universal = universal.Universal(cfg, n_self) if cfg.universal else None
         self.num_self_attn = n_self * (self.universal.steps if self.universal is not None else 1)
         self.hourglass = Hourglass(self) if cfg.hourglass is not None else None   # a depth policy (hourglass.py)
+        self.early_exit = early_exit.EarlyExit(self, owner) if cfg.early_exit is not None else None  # early_exit.py
         self.has_cross = "c" in layout
         final = cfg.placement in ("pre", "sandwich") and norm_cls is not None     # of out_dim features
         self.final_norm = norm_cls(self.out_dim, cfg.norm_eps) if final else None
@@ -287,8 +291,8 @@ class AttentionLayers(nn.Module):
                 mem_masks: list[Tensor] | Tensor | None = None, pos: Tensor | None = None,
                 state: DecodeState | None = None, prefix: int = 0,
                 prefix_len: Tensor | int | None = None, return_attn: bool = False,
-                return_intermediates: bool = False, global_mask: Tensor | None = None
-                ) -> Tensor | tuple[Tensor, Intermediates]:
+                return_intermediates: bool = False, global_mask: Tensor | None = None,
+                knn_clear: Tensor | None = None) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if global_mask is not None:
             checks.global_mask(self, global_mask, x)
@@ -312,6 +316,7 @@ class AttentionLayers(nn.Module):
                       global_mask=global_mask,
                       shift_mask=shift_mask,
                       state=state)
+        knn_memory.begin(self, knn_clear, x, state is not None)
         if state is not None:
             state.begin(pos, mask, prefix)
         keep = return_intermediates or return_attn      # else hold no block's input past its use
@@ -323,6 +328,8 @@ class AttentionLayers(nn.Module):
             x = self.universal(self, x, ctx, record, keep)              # one unit, depth times or until halted
         elif self.hourglass is not None:
             x = self.hourglass(self, x, ctx, record, keep, prefix)      # at their resolutions
+        elif self.early_exit is not None and self.early_exit.running and state is not None:
+            x = self.early_exit(self, x, ctx, record, keep)             # decoding: a token stops once confident
         else:
             x = self.run_blocks(self.blocks, x, ctx, record, keep, prev)
         if keep:

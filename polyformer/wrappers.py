@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import checks
+from . import checks, landmark
 from .embedding import AxialPositions, ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, TokenEmbedding
 from .keywords import checked_keywords
+from .memory import memories
 from .memory.kv_cache import DecodeState
 from .position import wrapper_positions
 from .registry import NORM
@@ -36,7 +37,7 @@ class SequenceWrapper(nn.Module):
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
                max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False,
                post_emb_proj: bool = False, axial_pos_emb: object = None, axial_pos_emb_dims: object = None,
-               abs_pos_per_layer: object = False, randomized_pos: object = None) -> None:
+               abs_pos_per_layer: object = False, randomized_pos: object = None, cmem: tuple = (0,)) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -44,23 +45,14 @@ class SequenceWrapper(nn.Module):
             raise ValueError(f"{owner}: max_seq_len must be a positive integer, got {max_seq_len!r}")
         if not 0 <= emb_dropout < 1:
             raise ValueError(f"{owner}: emb_dropout must be in [0, 1), got {emb_dropout}")
-        if max_mem_len < 0 or shift_mem_down < 0:
-            raise ValueError(f"{owner}: max_mem_len and shift_mem_down must be >= 0")
-        if shift_mem_down and not max_mem_len:
-            raise ValueError(f"{owner}: shift_mem_down={shift_mem_down} needs max_mem_len > 0")
-        checks.memories(self.attn_layers, max_mem_len, owner)
-        if shift_mem_down >= max(1, self.attn_layers.num_self_attn):
-            raise ValueError(f"{owner}: shift_mem_down must be < the number of self-attention blocks "
-                             f"({self.attn_layers.num_self_attn}), got {shift_mem_down}")
-        if num_memory_tokens and max_mem_len:
-            raise ValueError(f"{owner}: num_memory_tokens and max_mem_len cannot be combined: memory "
-                             "tokens would sit between the XL memory and the segment")
         self.max_mem_len = max_mem_len
-        self.shift_mem_down = shift_mem_down
+        self.shift_mem_down = shift_mem_down        # checked with the compressed memory's keywords (memory/memories.py)
+        self.compressive = memories.setup(owner, self.attn_layers, max_mem_len, shift_mem_down, num_memory_tokens,
+                                          cmem)
         self.randomized_pos = randomized_pos        # max_seq_len becomes its L (position/randomized.py)
         self.pos_emb, self.max_seq_len = wrapper_positions.setup(
             self.attn_layers, owner, max_seq_len, use_abs_pos_emb, scaled_sinu_pos_emb, axial_pos_emb,
-            axial_pos_emb_dims, abs_pos_per_layer, randomized_pos, max_mem_len, num_memory_tokens or 0)
+            axial_pos_emb_dims, abs_pos_per_layer, randomized_pos, memories.span(self), num_memory_tokens or 0)
         self.post_emb_norm = None
         if post_emb_norm:                 # the stack's own norm and eps (BERT: LayerNorm, eps 1e-12)
             cfg = self.attn_layers.cfg
@@ -73,6 +65,7 @@ class SequenceWrapper(nn.Module):
         self.post_emb_proj = nn.Linear(dim, dim) if post_emb_proj else None
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
+        self.landmarks = landmark.attach(self.attn_layers, owner, num_memory_tokens, max_mem_len)
 
     @property
     def bounded(self) -> bool:
@@ -89,7 +82,7 @@ class SequenceWrapper(nn.Module):
             if pos.ndim != 2 or pos.shape[1] != n or pos.shape[0] not in (1, b) or pos.dtype.is_floating_point:
                 raise ValueError(f"pos must be integer positions of shape (batch or 1, {n}), got "
                                  f"{tuple(pos.shape)} {pos.dtype}")
-        if mems is not None and not isinstance(mems, (list, tuple)):
+        if mems is not None and not isinstance(mems, (list, tuple, memories.Memories)):
             raise ValueError(f"mems must be a list of tensors (one per self-attention block), got {type(mems).__name__}")
         if (mems is not None or return_mems) and not self.max_mem_len:
             raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0")
@@ -102,6 +95,7 @@ class SequenceWrapper(nn.Module):
                   device: torch.device | str | None = None, history: int = 1) -> DecodeState:
         """A decode state (KV cache) with room for max_len tokens of `batch` sequences; blocks with a
         recurrent summary keep it after each of the last `history` positions (for rollback)."""
+        max_len = landmark.room(self.landmarks, batch, max_len)      # with room for the landmarks (landmark.py)
         return self.attn_layers.new_state(batch, max_len + self.num_memory_tokens, dtype, device, history)
 
     @property
@@ -122,11 +116,14 @@ class SequenceWrapper(nn.Module):
     def _run(self, h: Tensor, mask: Tensor | None, context: Tensor | None, context_mask: Tensor | None,
              mems: list[Tensor] | None, mem_masks: list[Tensor] | Tensor | None, need_record: bool,
              return_attn: bool, pos: Tensor | None = None, state: DecodeState | None = None,
-             prefix_len: Tensor | int | None = None, global_mask: Tensor | None = None
-             ) -> tuple[Tensor, Intermediates | None, list[Tensor] | None]:
+             prefix_len: Tensor | int | None = None, global_mask: Tensor | None = None,
+             knn_clear: Tensor | None = None
+             ) -> tuple[Tensor, Intermediates | None, list[Tensor] | memories.Memories | None]:
+        seen, seen_masks = memories.attended(self, mems, mem_masks)     # [compressed, XL] memory, shift_mem_down
+        h, mask, pos, slots = landmark.insert(self.landmarks, h, mask, pos, state, self.attn_layers)
         tok_pos = wrapper_positions.token_positions(self, h, pos, state)
         h = self.add_positions(h, tok_pos)
-        stack_pos = tok_pos + self.num_memory_tokens + (mems[0].shape[1] if mems else 0)
+        stack_pos = tok_pos + self.num_memory_tokens + (seen[0].shape[1] if seen else 0)
         prefix = self.memory_tokens is not None and (state is None or state.length == 0)
         if prefix:
             if global_mask is not None:
@@ -135,16 +132,11 @@ class SequenceWrapper(nn.Module):
             h, mask = self.memory_tokens(h, mask)
             first = torch.arange(self.num_memory_tokens, device=h.device)[None]
             stack_pos = torch.cat((first.expand(stack_pos.shape[0], -1), stack_pos), dim=1)
-        if mems is not None and self.shift_mem_down:
-            s = self.shift_mem_down           # layer l reads the memory layer l + s wrote
-            mems = list(mems[s:]) + list(mems[:s])
-            if isinstance(mem_masks, (list, tuple)):
-                mem_masks = list(mem_masks[s:]) + list(mem_masks[:s])
-        out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=mems,
-                               mem_masks=mem_masks, pos=stack_pos, state=state,
+        out = self.attn_layers(h, mask=mask, context=context, context_mask=context_mask, mems=seen,
+                               mem_masks=seen_masks, pos=stack_pos, state=state,
                                prefix=self.num_memory_tokens if prefix else 0, prefix_len=prefix_len,
                                global_mask=global_mask, return_attn=return_attn,
-                               return_intermediates=need_record)
+                               return_intermediates=need_record, knn_clear=knn_clear)
         record = None
         if need_record:
             out, record = out
@@ -152,11 +144,8 @@ class SequenceWrapper(nn.Module):
             out = out[:, self.num_memory_tokens:]
         new_mems = None
         if self.max_mem_len and record is not None:
-            new_mems = []
-            for i, h_l in enumerate(record.mems):
-                joined = torch.cat((mems[i], h_l), dim=1) if mems is not None else h_l
-                new_mems.append(joined[:, -self.max_mem_len:].detach())
-        return out, record, new_mems
+            new_mems = memories.update(self, mems, mem_masks, seen, record, mask)
+        return landmark.remove(out, slots), record, new_mems
 
     def _finish(self, out: Tensor, record: Intermediates | None, new_mems: list[Tensor] | None,
                 return_embeddings: bool, return_mems: bool, return_attn: bool,
@@ -188,6 +177,8 @@ class TransformerWrapper(SequenceWrapper):
         scaled_sinu_pos_emb: the absolute positions are sinusoids with one learned scale instead of
             learned vectors (as in x-transformers, it picks the kind; use_abs_pos_emb=False refuses it).
         max_mem_len: Transformer-XL memory length kept by `return_mems`.
+        max_cmem_len, cmem_ratio (c, 4), cmem_fn ("conv1d"), cmem_loss_weight (1): a compressed memory (arXiv:1911.05507,
+            memory/compressive.py) of the states leaving the XL memory; return_mems then gives a `Memories` record.
         shift_mem_down: route layer l's memory to layer l - shift_mem_down (ERNIE-Doc, arXiv:2012.15688).
         logits_dim: size of the output logits when it differs from num_tokens.
         logits_bias: the untied output head has a bias (False: none, as Llama's lm_head).
@@ -209,11 +200,12 @@ class TransformerWrapper(SequenceWrapper):
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
     return_embeddings, return_mems, return_attn, return_intermediates, pos, state, prefix_len,
-    embed_ids) -> logits
+    embed_ids, knn_clear) -> logits
     (b, n, num_tokens), embeddings (b, n, dim), or a pair with the memories / attention maps /
     Intermediates. `pos` (b|1, n) overrides the token positions (per-row positions of a left-padded
     batch); `state` (from `new_state`) makes x a continuation of the cached positions; `prefix_len`
-    (int or (b,), causal stacks) makes the first prefix_len tokens a bidirectional prefix (prefix-LM).
+    (int or (b,), causal stacks) makes the first prefix_len tokens a bidirectional prefix (prefix-LM);
+    `knn_clear` (b,) bool clears those rows' kNN memories first (knn_memory_layers: a new document).
     """
 
     @checked_keywords
@@ -225,7 +217,8 @@ class TransformerWrapper(SequenceWrapper):
                  logits_bias: bool = True, post_emb_norm: bool = False,
                  embed_num_tokens: dict[str, int] | None = None, post_emb_proj: bool = False,
                  axial_pos_emb: tuple[int, int] | None = None, axial_pos_emb_dims: tuple[int, int] | None = None,
-                 abs_pos_per_layer: bool = False, randomized_pos: int | None = None):
+                 abs_pos_per_layer: bool = False, randomized_pos: int | None = None, max_cmem_len: int = 0,
+                 cmem_ratio: int | None = None, cmem_fn: str | None = None, cmem_loss_weight: float | None = None):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -246,7 +239,8 @@ class TransformerWrapper(SequenceWrapper):
                     scaled_sinu_pos_emb=scaled_sinu_pos_emb, max_mem_len=max_mem_len,
                     shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj,
                     axial_pos_emb=axial_pos_emb, axial_pos_emb_dims=axial_pos_emb_dims,
-                    abs_pos_per_layer=abs_pos_per_layer, randomized_pos=randomized_pos)
+                    abs_pos_per_layer=abs_pos_per_layer, randomized_pos=randomized_pos,
+                    cmem=(max_cmem_len, cmem_ratio, cmem_fn, cmem_loss_weight))
         self.tie_embedding = tie_embedding
         self.to_logits = (None if tie_embedding
                           else nn.Linear(stack.out_dim, logits_dim or num_tokens, bias=logits_bias))
@@ -272,7 +266,8 @@ class TransformerWrapper(SequenceWrapper):
                 return_mems: bool = False, return_attn: bool = False,
                 return_intermediates: bool = False, pos: Tensor | None = None,
                 state: DecodeState | None = None, prefix_len: Tensor | int | None = None,
-                embed_ids: dict[str, Tensor] | None = None, global_mask: Tensor | None = None) -> Any:
+                embed_ids: dict[str, Tensor] | None = None, global_mask: Tensor | None = None,
+                knn_clear: Tensor | None = None) -> Any:
         checks.token_ids(x, self.num_tokens)
         self._check_common(x.shape[1], x.shape[0], mask, mems, return_mems, return_attn, pos, state)
         if embed_ids is not None:
@@ -282,7 +277,7 @@ class TransformerWrapper(SequenceWrapper):
         h = self.embed(x, embed_ids)
         need = return_mems or return_attn or return_intermediates
         out, record, new_mems = self._run(h, mask, context, context_mask, mems, mem_masks, need, return_attn,
-                                          pos, state, prefix_len, global_mask)
+                                          pos, state, prefix_len, global_mask, knn_clear)
         return self._finish(out, record, new_mems, return_embeddings, return_mems, return_attn,
                             return_intermediates)
 

@@ -52,7 +52,7 @@ BASE = dict(dim=16, depth=2, heads=2, attn_dim_head=8)
 
 def _field_type(path: str) -> Any:
     if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.", "act.", "hourglass.",
-                        "attention.relative.", "ff.moe.")):
+                        "attention.relative.", "ff.moe.", "knn_memory.", "early_exit.")):
         return None                 # a variant's option: a switch only when listed above
     cls: Any = LayersConfig
     *heads, last = path.split(".")

@@ -158,12 +158,27 @@ KERNEL_OPTIONS: dict[str, dict] = {
     # randomized positions (position/randomized.py): learned tables of L rows, rotary; identity in eval
     "randomized_pos": dict(randomized_pos=48, num_memory_tokens=2),
     "randomized_pos_rotary": dict(randomized_pos=48, rotary_pos_emb=True, attn_kv_heads=2),
+    # Infini-attention (attention/kernels/infini.py): segments of 4 (12-14 tokens: 3-4 segments), linear and delta
+    # rules, with GQA, memory key / values and rotary
+    "attn_infini": dict(attn_infini=True, attn_infini_segment=4, attn_kv_heads=2, attn_num_mem_kv=2),
+    "attn_infini_delta": dict(attn_infini=True, attn_infini_segment=5, attn_infini_delta=True, rotary_pos_emb=True),
+    # Landmark attention (attention/kernels/landmark.py): blocks of 3 and a landmark each, the wrapper inserting
+    # them (landmark.py); eval retrieves the top 2 earlier blocks, so 12-14 tokens leave blocks unread
+    "landmark_block": dict(landmark_block=3, landmark_topk=2, rotary_pos_emb=True, attn_kv_heads=2),
+    # Memorizing Transformer (attention/knn_memory.py): the contracts call a model many times on unrelated inputs, so
+    # its memory only reads here (knn_memory_write=False: empty, the gate's local share); writing, retrieval,
+    # causality and cache parity with a filled memory: tests/memory/test_memorizing.py
+    "knn_memory": dict(knn_memory_layers=(1,), knn_memory_size=16, knn_topk=4, knn_memory_write=False,
+                       rotary_pos_emb=True, attn_kv_heads=2),
+    # early exit (early_exit.py): a plain forward is the full model; training averages the exits' losses
+    "exit_layers": dict(exit_layers=True, exit_confidence="state_change", rotary_pos_emb=True, shift_tokens=1),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
 KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom", "attn_sinkhorn_sortcut",
                                  "attn_lsh_global"}
-KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate", "attn_adaptive_span"}
+KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate", "attn_adaptive_span", "landmark_block", "attn_infini",
+                                  "attn_infini_delta", "exit_layers"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
 DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from polyformer.early_exit import ExitOptions
 from polyformer import registry
 import torch
 
@@ -31,6 +32,7 @@ from polyformer.act import ActOptions
 from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.hourglass import HourglassOptions
 from polyformer.moe.options import MoeOptions
+from polyformer.attention.knn_memory import KnnMemoryOptions
 from polyformer.keywords import KEYWORDS, parse_layers
 
 SMALL = dict(dim=32, depth=2)
@@ -444,6 +446,8 @@ def test_keyword_table_routes_to_real_fields():
     cfg_fields |= {f"act.{k}" for k in ActOptions.__dataclass_fields__}      # a stack option's own dataclass
     cfg_fields |= {f"hourglass.{k}" for k in HourglassOptions.__dataclass_fields__}
     cfg_fields |= {f"ff.moe.{k}" for k in MoeOptions.__dataclass_fields__}
+    cfg_fields |= {f"knn_memory.{k}" for k in KnnMemoryOptions.__dataclass_fields__}
+    cfg_fields |= {f"early_exit.{k}" for k in ExitOptions.__dataclass_fields__}
     # a pattern piece's options: attention.pattern.<registry name>[.<field of its options class>]
     for piece, entry in registry.PATTERN.items():
         cfg_fields.add(f"attention.pattern.{piece}")

@@ -337,6 +337,20 @@ def test_xtransformer_dec_cross_residual_attn():
     assert not torch.allclose(loss, plain(src, tgt))       # the second cross block adds the first's scores
 
 
+@pytest.mark.parametrize("side", ["enc", "dec"])
+def test_xtransformer_forwards_every_wrapper_keyword(side):
+    """Each side's wrapper gets its own positional keywords (they were dropped into the layers before)."""
+    model = xtransformer(**{f"{side}_abs_pos_per_layer": True, f"{side}_use_abs_pos_emb": False})
+    wrapper = model.encoder if side == "enc" else model.decoder.net
+    other = model.decoder.net if side == "enc" else model.encoder
+    assert wrapper.attn_layers.layer_pos is not None and other.attn_layers.layer_pos is None
+    src, tgt = ids(2, 10), ids(2, 8, seed=1)
+    before = model(src, tgt)
+    with torch.no_grad():
+        for p in wrapper.attn_layers.layer_pos.parameters():
+            p.add_(torch.randn_like(p))
+    assert not torch.allclose(before, model(src, tgt))      # the per-layer table feeds that side
+
 # ---------------------------------------------------------------- CrossAttender
 
 

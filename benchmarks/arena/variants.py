@@ -26,6 +26,7 @@ class Variant:
     causal_only: bool = False                                 # cannot run in an Encoder
     encoder_only: bool = False                                # cannot run in a Decoder
     min_len: int = 0                                          # the shortest input it takes
+    min_depth: int = 1                                        # the fewest layers it builds with (a chosen layer)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tasks) - set(TASK_NAMES))
@@ -164,6 +165,32 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("xl", "Transformer-XL memory of the previous segment's hidden states (128 per layer)",
             "arXiv:1901.02860", layers=dict(rotary_pos_emb=True), wrapper=dict(max_mem_len=128),
             tasks=("long_text",), causal_only=True),
+    Variant("xl_paper", "Transformer-XL as the paper: its relative encoding (sinusoids of i - j, learned u, v) "
+            "with the memory of the previous segment (128 per layer)", "arXiv:1901.02860",
+            layers=dict(rel_pos_xl=True), wrapper=dict(max_mem_len=128, use_abs_pos_emb=False),
+            tasks=("long_text",), causal_only=True),
+    Variant("xl_shaw", "Shaw et al.'s clipped relative distances (±16) with the XL memory of the previous segment",
+            "arXiv:1803.02155, 1901.02860", layers=dict(rel_pos_shaw=16),
+            wrapper=dict(max_mem_len=128, use_abs_pos_emb=False), tasks=("long_text",), causal_only=True),
+    Variant("memorizing", "Memorizing Transformer: block 1 also attends to its top 32 of a kNN memory of the last "
+            "2048 keys / values per stream (exact search), gated per head; with the XL memory of 128",
+            "arXiv:2203.08913", layers=dict(rotary_pos_emb=True, knn_memory_layers=(1,), knn_memory_size=2048,
+                                            knn_topk=32), wrapper=dict(max_mem_len=128), tasks=("long_text",),
+            causal_only=True, min_depth=2),
+    Variant("compressive", "Compressive Transformer: XL memory of 64 plus a compressed memory of 64 (mean pooling, "
+            "c 3): the memory budget and parameters of `xl` (128 states per layer), reaching back 64 + 3 x 64 = 256",
+            "arXiv:1911.05507", layers=dict(rotary_pos_emb=True),
+            wrapper=dict(max_mem_len=64, max_cmem_len=64, cmem_ratio=3, cmem_fn="mean_pool"),
+            tasks=("long_text",), causal_only=True),
+    Variant("landmark", "Landmark attention: a landmark token after every 16 tokens, grouped softmax (each block "
+            "gated by its landmark's score); evaluation retrieves each query's top 2 earlier blocks; no XL memory",
+            "arXiv:2305.16300", layers=dict(rotary_pos_emb=True, landmark_block=16, landmark_topk=2),
+            tasks=("long_text",), causal_only=True),
+    Variant("infini", "Infini-attention: causal softmax attention inside segments of 32 and a compressive memory "
+            "(d x d per head, linear rule) of the earlier segments of the same 128-token forward, gated per head; "
+            "no XL memory (the compressive memory does not yet cross the task's forwards)", "arXiv:2404.07143",
+            layers=dict(rotary_pos_emb=True, attn_infini=True, attn_infini_segment=32), tasks=("long_text",),
+            causal_only=True),
     # --- mixture of experts: `no_memory` is the dense row of equal active parameters ------------
     Variant("moe", "8 experts of ff_mult 2, top-2, Switch balance loss 0.01: the active feedforward parameters of "
             "`no_memory` (ff_mult 4), 4x its total", "arXiv:2101.03961, 2006.16668",

@@ -67,6 +67,7 @@ class Attention(nn.Module):
                         if cfg.pattern and not cross and not self.direct else None)   # a direct kernel applies its own
         own = patterns.own_projections(cfg.pattern)
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
+        self.knn: nn.Module | None = None      # a kNN memory (knn_memory.py), given by the stack to chosen blocks
 
     @property
     def decode_window(self) -> object | None:
@@ -89,6 +90,7 @@ class Attention(nn.Module):
             q, kv = self.project.queries(x), self.context_kv(ctx)
         else:
             q, kv = self.project(x, self_source(x, ctx, self.layer), ctx.pos)   # q (b, h, i, d)
+        recalled = self.knn(q, kv, ctx) if self.knn is not None else None   # before positions: none stored
         if self.position is not None:
             q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)      # rotate before anything is cached
         memory = None
@@ -113,6 +115,8 @@ class Attention(nn.Module):
             if self.global_queries is not None:
                 out.out = self.global_queries(out.out, x, ctx, self.layer, self.position,
                                               self._bias[0] if self._bias else None, self.kernel)
+            if recalled is not None:
+                out.out = self.knn.mix(out.out, recalled)
             return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
         mask, causal = self.keep(ctx, kv)
         bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None
@@ -120,6 +124,8 @@ class Attention(nn.Module):
             bias = F.pad(bias, (kv.free, 0))
         out = self.attend(ctx)(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,
                                need_weights=ctx.need_weights)
+        if recalled is not None:
+            out.out = self.knn.mix(out.out, recalled)
         return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
 
     def attend(self, ctx: Context) -> nn.Module | partial:

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
+from ..early_exit import next_token_loss
 from ..losses import AuxLosses, forward_with_losses, with_aux
+from ..attention.knn_memory import read_only
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
 from .fast import fast_step
@@ -84,6 +86,10 @@ class AutoregressiveWrapper(nn.Module):
                 warnings.warn("mask hides positions whose targets still count in the loss; set those "
                               f"targets to ignore_index={self.ignore_index} to leave them out", stacklevel=2)
             mask = mask[:, :-1]
+        exited = next_token_loss(self.net, inp, target, self.ignore_index, mask=mask, context=context,
+                                 context_mask=context_mask)    # exit_layers (early_exit.py): the exits' weighted mean
+        if exited is not None:
+            return exited if return_losses else exited[0]
         logits, aux = forward_with_losses(self.net, inp, mask=mask, context=context, context_mask=context_mask)
         loss = with_aux(F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index), aux)
         return (loss, aux) if return_losses else loss
@@ -176,7 +182,8 @@ class AutoregressiveWrapper(nn.Module):
                 steps = self._cached(prompts, mask, seq_len, context, context_mask, state, step_net)
             else:
                 steps = self._recomputed(prompts, mask, context, context_mask)
-            yield from sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length)
+            with read_only(self.net):       # kNN memories are read, never written, while generating
+                yield from sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length)
         finally:
             self.net.train(was_training)
 

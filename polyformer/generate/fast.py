@@ -55,7 +55,7 @@ def _hooked(model: nn.Module) -> bool:
 KNOWN = {
     TransformerWrapper: {"token_emb", "pos_emb", "post_emb_norm", "post_emb_proj", "emb_dropout", "memory_tokens",
                          "attn_layers", "to_logits", "project_emb", "embeds"},
-    **dict.fromkeys((AttentionLayers, Decoder, Encoder), {"blocks", "final_norm", "shared_bias"}),
+    **dict.fromkeys((AttentionLayers, Decoder, Encoder), {"blocks", "final_norm", "shared_bias", "early_exit"}),
     Block: {"branch", "combine", "norm_in", "norm_out", "post_norm", "shift"},
     Attention: {"project", "position", "kernel", "output", "memory_kv"},
     FeedForward: {"proj_in", "act", "dropout", "proj_out"},
@@ -156,6 +156,8 @@ class FastStep:
             return "universal=True (the shared blocks run once per step, universal.py)"
         if stack.hourglass is not None:
             return "hourglass (layers at several resolutions, hourglass.py)"
+        if stack.early_exit is not None and stack.early_exit.running:
+            return "early exit while generating (tokens stop at different layers, early_exit.py)"
         if stack.layer_pos is not None:
             return "per-layer absolute positions (abs_pos_per_layer, position/per_layer_abs.py)"
         if stack.has_cross or any(kind not in ("a", "f") for kind in stack.layout):

@@ -1,5 +1,6 @@
 """`XLAutoregressiveWrapper`: Transformer-XL training and generation over sequences longer than
-`max_seq_len`, segment by segment, carrying memories (arXiv:1901.02860)."""
+`max_seq_len`, segment by segment, carrying memories (arXiv:1901.02860), compressed ones too when the
+model keeps them (arXiv:1911.05507, memory/compressive.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
+from ..attention.knn_memory import read_only
+from ..memory.memories import Memories
 from ..wrappers import TransformerWrapper
 from .decode import sample_steps
 from .sampling import Sampler
@@ -18,7 +21,9 @@ from .sampling import Sampler
 class XLAutoregressiveWrapper(nn.Module):
     """forward(x (b, N)) -> next-token loss over a sequence of any length, computed in segments of
     max_seq_len, each attending to the memories of the segments before it (gradients stop at a
-    segment boundary, as in the paper). generate(prompts, seq_len) continues beyond max_seq_len."""
+    segment boundary, as in the paper), plus the mean over segments of the auxiliary losses the
+    blocks report (a compressed memory's reconstruction loss, an MoE's balance loss).
+    generate(prompts, seq_len) continues beyond max_seq_len."""
 
     def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0):
         super().__init__()
@@ -41,17 +46,22 @@ class XLAutoregressiveWrapper(nn.Module):
             mask = mask[:, :-1]
         total = (target != self.ignore_index).sum().clamp(min=1)
         loss, mems, mem_mask = x.new_zeros((), dtype=torch.float32), None, None
-        for start in range(0, inp.shape[1], self.segment):
+        aux, starts = x.new_zeros((), dtype=torch.float32), range(0, inp.shape[1], self.segment)
+        for start in starts:
             seg = slice(start, start + self.segment)
             seg_mask = mask[:, seg] if mask is not None else None
-            logits, mems = self.net(inp[:, seg], mask=seg_mask, mems=mems, mem_masks=mem_mask, return_mems=True)
-            if seg_mask is not None:
+            logits, record = self.net(inp[:, seg], mask=seg_mask, mems=mems, mem_masks=mem_mask,
+                                      return_intermediates=True)
+            mems = record.mems
+            if record.losses:
+                aux = aux + record.losses.total()
+            if seg_mask is not None and not isinstance(mems, Memories):     # a Memories record keeps its masks
                 mem_mask = seg_mask if mem_mask is None else torch.cat((mem_mask, seg_mask), 1)
                 mem_mask = mem_mask[:, -mems[0].shape[1]:]
             part = F.cross_entropy(logits.transpose(1, 2), target[:, seg], ignore_index=self.ignore_index,
                                    reduction="sum")
             loss = loss + part
-        return loss / total
+        return loss / total + aux / len(starts)
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, seq_len: int, eos_token: int | None = None, temperature: float = 1.0,
@@ -75,7 +85,7 @@ class XLAutoregressiveWrapper(nn.Module):
 
     def _steps(self, prompts: Tensor):
         """Yields next-token logits; the current segment is recomputed each step, and moves into
-        the memories when it is full."""
+        the memories when it is full (only then are the next memories formed)."""
         size, n = self.segment, prompts.shape[1]
         mems = None
         full = (n - 1) // size                   # whole segments before the current one
@@ -83,7 +93,11 @@ class XLAutoregressiveWrapper(nn.Module):
             _, mems = self.net(prompts[:, i * size:(i + 1) * size], mems=mems, return_mems=True)
         current = prompts[:, full * size:]
         while True:
-            logits, new_mems = self.net(current, mems=mems, return_mems=True)
+            if current.shape[1] == size:
+                logits, new_mems = self.net(current, mems=mems, return_mems=True)
+            else:
+                with read_only(self.net):      # a partial segment reads the kNN memory; the full one writes it
+                    logits = self.net(current, mems=mems)
             token = yield logits[:, -1]
             if current.shape[1] == size:
                 mems, current = new_mems, token[:, None]

@@ -105,6 +105,8 @@ class Family:
     resolve: (config, the checkpoint's tensors) -> the config, completed with what only the tensors
         tell (whether T5's LM head is the shared embedding).
     variants: records of the same model type for classes that build models of another shape.
+    zeros: config -> {tensor: shape} of tensors with no polyformer counterpart whose zero value is
+        what the polyformer model computes (XLNet's segment term): `to_hf` / `save_hf` write zeros.
     """
 
     model_type: str
@@ -123,6 +125,7 @@ class Family:
     aliases: Callable[[dict[str, Any]], dict[str, str]] | None = None
     resolve: Callable[[dict[str, Any], dict[str, Tensor]], dict[str, Any]] | None = None
     variants: tuple["Family", ...] = ()
+    zeros: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def main_class(self) -> str:

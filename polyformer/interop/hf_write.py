@@ -108,6 +108,10 @@ def hf_state_dict(model: TransformerWrapper | XTransformer, family: Family, hf_c
     if with_tied and family.aliases is not None:
         for name, source in family.aliases(c).items():
             out[prefix + name] = out[prefix + source]
+    if family.zeros is not None:
+        like = next(iter(ours.values()))
+        for name, shape in family.zeros(c).items():
+            out[prefix + name] = like.new_zeros(shape)
     return out
 
 

@@ -8,7 +8,8 @@ Only the content stream converts: there is no permutation mask, target mapping o
 `seg_embed`, `r_s_bias` and `mask_emb` have no place and are dropped, and a converted model takes no
 token types. XLNet never masks a query's own key (a padded query still sees itself); that only
 changes the outputs at padded positions. `mem_len` becomes the wrapper's `max_mem_len`.
-`to_hf` is not supported: the dropped tensors could not be written back."""
+`to_hf` writes the dropped tensors as zeros: a zero segment embedding and bias add nothing, so the
+written XLNet computes what the polyformer model does, with or without token types."""
 
 from __future__ import annotations
 
@@ -66,14 +67,22 @@ def links(c: dict[str, Any]) -> list[Link]:
 
 def config_of(model: TransformerWrapper) -> dict[str, Any]:
     c = model.attn_layers.cfg
-    if c.attention.relative is not None and c.attention.relative.name == "xl":
-        raise Unsupported("xlnet: to_hf is not supported (XLNet's segment and query-stream tensors have no "
-                          "polyformer counterpart to be written from)")
+    if c.attention.relative is None or c.attention.relative.name != "xl":
+        raise Unsupported("xlnet: the model has no Transformer-XL relative encoding (rel_pos_xl=True)")
     return {"vocab_size": model.num_tokens, "d_model": c.dim, "n_layer": c.depth, "n_head": c.attention.heads,
             "d_inner": inner_dim(model), "ff_activation": activation_name(model),
             "attn_type": "uni" if c.causal else "bi", "layer_norm_eps": c.norm_eps, "mem_len": model.max_mem_len}
 
 
+def zeros(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    heads, dim = c["n_head"], c["d_model"]
+    out: dict[str, tuple[int, ...]] = {"mask_emb": (1, 1, dim)}
+    for i in range(c["n_layer"]):
+        out |= {f"layer.{i}.rel_attn.seg_embed": (2, heads, dim // heads),
+                f"layer.{i}.rel_attn.r_s_bias": (heads, dim // heads)}
+    return out
+
+
 XLNET = Family(
     model_type="xlnet", classes={"XLNetModel": ""}, defaults=DEFAULTS, derived=(UNUSED,), build=build,
-    links=links, config_of=config_of, embedding="word_embedding.weight", base_model="transformer")
+    links=links, config_of=config_of, embedding="word_embedding.weight", base_model="transformer", zeros=zeros)

@@ -296,7 +296,7 @@ def _read_weights(path: Path, model: nn.Module) -> dict[str, Tensor]:
     unexpected = [name for name in tensors if name not in expected]
     wrong = [f"{name} (checkpoint {tuple(tensors[name].shape)} {tensors[name].dtype}, "
              f"model {tuple(t.shape)} {t.dtype})"
-             for name, t in expected.items() if name in tensors
+             for name, t in expected.items() if name in tensors and not name.endswith("._extra_state")   # any size
              and (tensors[name].shape != t.shape or tensors[name].dtype != t.dtype)]
     if missing or unexpected or wrong:
         parts = [f"{len(missing)} missing from the checkpoint: {', '.join(missing)}" if missing else "",

@@ -1,4 +1,4 @@
-"""`polyformer train | generate | eval | convert | demo` (also `python -m polyformer ...`)."""
+"""`polyformer train | generate | eval | convert | demo | datastore` (also `python -m polyformer ...`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 import warnings
 
 from ..keywords import closest
+from .datastore_cmd import add_datastore_parser, add_knn_flags, knn_options
 from .settings import EVAL_SETTINGS, PRESETS, settings_help
 
 
@@ -48,7 +49,7 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(f"{self.prog}: {message}{hint} (`{self.prog} --help` lists them)")
 
 
-COMMANDS = ("train", "generate", "eval", "convert", "demo")
+COMMANDS = ("train", "generate", "eval", "convert", "demo", "datastore")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
                           "same text at --temperature 0), faster when the draft often agrees")
     gen.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per target call (with --draft; "
                                                              "default 4)")
+    gen.add_argument("--early-exit", type=float, default=None, metavar="THRESHOLD",
+                     help="a model trained with exit_layers: each token stops at its first exit layer whose confidence "
+                          "is above THRESHOLD (in [0, 1]; 1 never exits); the mean layers used go to stderr")
+    add_knn_flags(gen)
     ev = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on its validation split, or on "
                                      "any text (--data.paths)",
                         description="Score a run's newest checkpoint: on its validation split (read from its "
@@ -95,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--run", required=True, help="run directory")
     ev.add_argument("--batches", type=int, default=None, help="batches scored (default: the run's eval_batches on "
                                                               "the validation split, every window of --data.paths)")
+    add_knn_flags(ev)
+    add_datastore_parser(sub)
     conv = sub.add_parser("convert", help="a Hugging Face model directory into a run directory, or back",
                           description="Convert a Hugging Face GPT-2 / Llama model directory (config.json, "
                                       "model.safetensors, tokenizer.json) into a run directory that generate and "
@@ -176,7 +183,11 @@ def _main(argv: list[str]) -> int:
     if args.command == "eval":
         from .commands import evaluate_run
 
-        return evaluate_run(args.run, args.batches, overrides(extra, own))
+        return evaluate_run(args.run, args.batches, overrides(extra, own), knn=knn_options(args, "eval"))
+    if args.command == "datastore":
+        from .datastore_cmd import datastore_command
+
+        return datastore_command(args, overrides(extra, own))
     if extra and extra[0].startswith("--") and "." in extra[0].split("=")[0]:
         raise SystemExit(f"polyformer generate: {extra[0]} does not apply: generate samples from the run's model with "
                          "its tokenizer, and reads no corpus (the text to continue is --prompt)")
@@ -186,4 +197,5 @@ def _main(argv: list[str]) -> int:
     from .commands import generate
 
     return generate(args.run, args.max_new_tokens, args.prompt, args.temperature, args.top_k, args.top_p,
-                    args.seed, int8=args.int8, draft=args.draft, gamma=args.gamma)
+                    args.seed, int8=args.int8, draft=args.draft, gamma=args.gamma, knn=knn_options(args, "generate"),
+                    early_exit=args.early_exit)

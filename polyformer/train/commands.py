@@ -15,7 +15,7 @@ from .checkpoint import checkpoint_step, load_checkpoint, resume_checkpoint
 from .corpus import load_corpus
 from .record import CorpusChanged
 from .run import load_run_config, model_from_run
-from .sample import prepare_for_sampling, sample, speculative_sample
+from .sample import early_exit_sample, prepare_for_sampling, sample, speculative_sample
 from .scoring import evaluate, scores, text_loss
 from .settings import EVAL_SETTINGS, RunSettings, from_dict, set_value, validate
 from .setup import Data, build_objective, load_data
@@ -73,12 +73,17 @@ def eval_settings(settings: RunSettings, overrides: list[tuple[str, str]], batch
     return asked
 
 
-def evaluate_run(run_dir: str, batches: int | None = None, overrides: list[tuple[str, str]] | None = None) -> int:
+def evaluate_run(run_dir: str, batches: int | None = None, overrides: list[tuple[str, str]] | None = None,
+                 knn: dict[str, Any] | None = None) -> int:
     """`polyformer eval`: the scores on stdout, the checkpoint they are of (path and step) and the
-    text scored on stderr. With --data.paths, every token of those files (`scoring.text_loss`)."""
+    text scored on stderr. With --data.paths, every token of those files (`scoring.text_loss`).
+    With `knn` (datastore_cmd.knn_options), kNN-LM scores of every token, and the LM's alone."""
     settings, model, checkpoint = load_checkpointed(run_dir)
     asked = eval_settings(settings, overrides or [], batches)
     given = dict(overrides or [])
+    if knn is not None:
+        return _evaluate_knn(run_dir, settings, model, checkpoint, asked, knn, batches is not None or
+                             "train.eval_batches" in given)
     if asked.data.paths:
         if settings.train.objective == "seq2seq":
             raise SystemExit("polyformer eval: a seq2seq run learns a synthetic task and has no text to score; "
@@ -96,6 +101,25 @@ def evaluate_run(run_dir: str, batches: int | None = None, overrides: list[tuple
         objective = build_objective(settings, data, 0, 1)
         result, what = evaluate(model, objective, asked, data), "the run's validation split"
     print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {what}", file=sys.stderr)
+    print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    return 0
+
+
+def _evaluate_knn(run_dir: str, settings: RunSettings, model: nn.Module, checkpoint: Path, asked: RunSettings,
+                  knn: dict[str, Any], limited: bool) -> int:
+    from .datastore_cmd import describe, evaluate_knn
+
+    if asked.data.paths:
+        corpus = load_corpus(asked.data.paths, asked.data.max_bytes)
+        tokens = corpus.tokens(load_tokenizer(run_dir))
+        per_token, what = len(corpus.data) / tokens.numel(), f"{len(corpus.files)} file(s): {corpus.source}"
+    else:
+        data = _validation(settings, run_dir)
+        tokens, per_token, what = data.val, data.bytes_per_token, "the run's validation split (every token)"
+    result = evaluate_knn(run_dir, settings, model, knn, tokens, per_token, asked.train.batch_size,
+                          asked.train.eval_batches if limited else None)
+    print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {what}{describe(knn)}",
+          file=sys.stderr)
     print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return 0
 
@@ -140,7 +164,7 @@ def _draft_for(run_dir: str, draft: str) -> nn.Module:
 
 def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature: float, k: int | None,
              p: float | None, seed: int, int8: bool = False, draft: str | None = None,
-             gamma: int | None = None) -> int:
+             gamma: int | None = None, knn: dict[str, Any] | None = None, early_exit: float | None = None) -> int:
     """`polyformer generate`: the run's text after `prompt`, from its model and tokenizer alone. With
     `draft` (a run on the same tokenizer), by speculative decoding with `gamma` draft tokens per
     target call (default 4), its acceptance on stderr; the whole text must then fit the target's
@@ -154,7 +178,24 @@ def generate(run_dir: str, max_new_tokens: int, prompt: str | None, temperature:
     if draft is None and gamma is not None:
         raise SystemExit("polyformer generate: --gamma sets speculative decoding's draft length; it needs --draft")
     prompt = prompt if prompt is not None else "\n"
+    if knn is not None and (draft is not None or int8):
+        raise SystemExit("polyformer generate: --knn samples from the model the datastore was built with; it does "
+                         "not combine with --draft or --int8")
+    if early_exit is not None and (knn is not None or draft is not None):
+        raise SystemExit("polyformer generate: --early-exit does not combine with --knn or --draft")
     try:                                          # bad filter values, too long for learned positions
+        if early_exit is not None:      # exit_layers (generate/early_exit.py): the mean layers used on stderr
+            prepare_for_sampling(model, int8)
+            text, used = early_exit_sample(model, tokenizer, prompt, max_new_tokens, early_exit, temperature, k, p, seed)
+            print(text)
+            print(f"early exit at threshold {early_exit:g}: {used.mean_layers:.2f} of {used.depth} layers per token "
+                  "on average", file=sys.stderr)
+            return 0
+        if knn is not None:
+            from .datastore_cmd import sample_knn
+
+            print(sample_knn(run_dir, model, tokenizer, knn, prompt, max_new_tokens, temperature, k, p, seed))
+            return 0
         if draft is None:
             prepare_for_sampling(model, int8)
             print(sample(model, tokenizer, prompt, max_new_tokens, temperature, k, p, seed))

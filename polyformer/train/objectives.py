@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..encoder_decoder import XTransformer
+from ..early_exit import next_token_loss
 from ..losses import AuxLosses, forward_with_losses, with_aux
 from ..wrappers import TransformerWrapper
 from .batches import checked_rank, integer_at_least
@@ -75,6 +76,10 @@ class LanguageModeling:
         _wrapper(model, "language modeling", causal=True)
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
+        exited = next_token_loss(model, batch[:, :-1], batch[:, 1:], self.ignore_index)   # exit_layers (early_exit.py)
+        if exited is not None:
+            loss, self.aux = exited
+            return loss
         logits, self.aux = forward_with_losses(model, batch[:, :-1])
         return with_aux(F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], ignore_index=self.ignore_index),
                         self.aux)

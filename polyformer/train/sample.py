@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..generate.decode import AutoregressiveWrapper
+from ..generate.early_exit import ExitGeneration, generate as exit_generate
 from ..generate.sampling import top_k, top_p
 from ..generate.speculative import SpeculativeResult, speculative_generate
 from ..layout import input_major
@@ -59,4 +60,13 @@ def speculative_sample(model: nn.Module, draft: nn.Module, tokenizer: Any, promp
                          f"most {model.max_seq_len - ids.shape[1]} new tokens)")
     result = speculative_generate(model, draft, ids, n, gamma=gamma, temperature=temperature,
                                   generator=torch.Generator().manual_seed(seed), **filters(k, p))
+    return prompt + tokenizer.decode(result.tokens[0].tolist()), result
+
+
+def early_exit_sample(model: nn.Module, tokenizer: Any, prompt: str, n: int, threshold: float, temperature: float,
+                      k: int | None, p: float | None, seed: int) -> tuple[str, ExitGeneration]:
+    """`prompt` and `n` tokens sampled with early exit at `threshold` (`generate.early_exit.generate`), and what
+    it did (the layers each token used)."""
+    result = exit_generate(model, prompt_ids(tokenizer, prompt, model), n, threshold=threshold, temperature=temperature,
+                           generator=torch.Generator().manual_seed(seed), **filters(k, p))
     return prompt + tokenizer.decode(result.tokens[0].tolist()), result

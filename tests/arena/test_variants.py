@@ -9,6 +9,7 @@ import torch
 from benchmarks.arena.harness import Budget, Optimiser, build_model
 from benchmarks.arena.variants import TASK_NAMES, VARIANTS, Variant, for_task, variant
 from polyformer import registry
+from polyformer.attention.knn_memory import read_only
 
 STAGES = {"position": "position", "bias": "bias", "kernel": "kernel", "normalize": "normalize", "pattern": "pattern",
           "mixer": "mixer"}
@@ -16,7 +17,7 @@ STAGES = {"position": "position", "bias": "bias", "kernel": "kernel", "normalize
 
 def tiny(v: Variant, causal: bool) -> torch.nn.Module:
     """The row's model in eval mode (LSH redraws its rotations at every training forward)."""
-    return build_model(v, num_tokens=32, max_seq_len=max(16, v.min_len), dim=16, depth=1, heads=2, causal=causal,
+    return build_model(v, num_tokens=32, max_seq_len=max(16, v.min_len), dim=16, depth=v.min_depth, heads=2, causal=causal,
                        seed=0).eval()
 
 
@@ -30,7 +31,7 @@ def test_every_variant_builds_and_is_causal_in_a_decoder(name):
     y[:, 8:] = (y[:, 8:] + 1) % 32
     if not v.encoder_only:
         model = tiny(v, causal=True)
-        with torch.no_grad():
+        with torch.no_grad(), read_only(model):        # a kNN memory would remember x while y runs
             assert torch.allclose(model(x)[:, :8], model(y)[:, :8], atol=1e-5)     # causal
     if not v.causal_only:
         enc = tiny(v, causal=False)

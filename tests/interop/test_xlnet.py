@@ -1,6 +1,6 @@
 """XLNetModel read as a Transformer-XL (interop/xlnet.py): the content stream's hidden states agree
 within 1e-5 on random tiny models of several shapes, with padding and with memories; options and
-inputs polyformer does not reproduce are refused by name."""
+inputs polyformer does not reproduce are refused by name; to_hf writes it back with a zero segment term."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from torch.testing import assert_close
 transformers = pytest.importorskip("transformers")
 
 from polyformer.interop.hf import from_hf  # noqa: E402
+from polyformer.interop.hf_write import to_hf  # noqa: E402
 from polyformer.interop.xlnet import XLNET  # noqa: E402
 
 SHAPES = {
@@ -80,5 +81,24 @@ def test_the_query_stream_and_segment_term_are_not_part_of_the_model():
     ours = from_hf(xlnet("bi_heads2"))
     with pytest.raises(TypeError, match="perm_mask"):
         ours(tokens("bi_heads2", 5), perm_mask=None)
-    with pytest.raises(ValueError, match="xlnet: to_hf is not supported"):
-        XLNET.config_of(ours)
+    with pytest.raises(ValueError, match="no Transformer-XL relative encoding"):
+        XLNET.config_of(from_hf(transformers.GPT2Model(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2))))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_to_hf_writes_the_content_stream_and_a_zero_segment_term(shape):
+    hf = xlnet(shape)
+    ours = from_hf(hf)
+    back = to_hf(ours)
+    assert type(back) is transformers.XLNetModel and back.config.attn_type == hf.config.attn_type
+    theirs = back.state_dict()
+    for name, t in hf.state_dict().items():
+        if "seg_embed" in name or "r_s_bias" in name or name == "mask_emb":
+            assert not theirs[name].any(), name
+        else:
+            assert torch.equal(theirs[name], t), name
+    x = tokens(shape, 9)
+    want = ours(x, return_embeddings=True)
+    assert_close(back(x).last_hidden_state, want, atol=1e-5, rtol=1e-5)
+    types = torch.randint(0, 2, x.shape, generator=torch.Generator().manual_seed(1))
+    assert_close(back(x, token_type_ids=types).last_hidden_state, want, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from polyformer.attention.knn_memory import clear_knn_memories
 from polyformer.losses import AuxLosses, forward_with_losses, with_aux
+from polyformer.memory.memories import Memories
 
 from .. import record
 from ..data import text
@@ -48,14 +50,15 @@ class Reader:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.mems: list[Tensor] | None = None
+        self.mems: list[Tensor] | Memories | None = None     # a Memories record with a compressed memory
         self.aux = AuxLosses()          # the last call's auxiliary losses (an MoE's balance loss), added in training
 
     def __call__(self, x: Tensor) -> Tensor:
         if not getattr(self.model, "max_mem_len", 0):
             logits, self.aux = forward_with_losses(self.model, x)
             return logits
-        logits, self.mems = self.model(x, mems=self.mems, return_mems=True)
+        logits, record = self.model(x, mems=self.mems, return_intermediates=True)
+        self.mems, self.aux = record.mems, record.losses        # (a compressed memory's reconstruction loss)
         return logits
 
 
@@ -63,6 +66,7 @@ class Reader:
 def evaluate(model: nn.Module, streams: Tensor, segment: int, warm: int) -> Tensor:
     """(segment,) mean loss at each position of a segment over every segment of the streams (b, N),
     after the first `warm` tokens (a multiple of the segment) were read unscored."""
+    clear_knn_memories(model)           # a kNN memory (knn_memory_layers) holds the training text: start empty
     read = Reader(model)
     for start in range(0, warm, segment):
         read(streams[:, start:start + segment])
@@ -104,7 +108,9 @@ def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_text: Tenso
     per_pos = evaluate(model, eval_streams, n, s["warm_tokens"])
     loss = float(per_pos.mean())
     log(f"  held-out loss {loss:.4f} nats/byte ({loss / 0.6931:.3f} bits/byte)")
-    return {"parameters": parameters(model), "memory_len": getattr(model, "max_mem_len", 0),
+    cmem = getattr(model, "compressive", None)        # states kept per layer: XL memory plus compressed memory
+    kept = getattr(model, "max_mem_len", 0) + (cmem.max_cmem_len if cmem is not None else 0)
+    return {"parameters": parameters(model), "memory_len": kept,
             "train": trained.to_json(), "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
             "loss_by_position": per_pos.view(-1, s["bin_width"]).mean(1).tolist()}
 

@@ -5,6 +5,8 @@ small module of its own, listed here by name (the registry reads this table)."""
 from .adaptive_span import AdaptiveSpan
 from .aft import Aft
 from .distance_aware import DistanceAware
+from .infini import Infini
+from .landmark import Landmark
 from .linear import KERNELS as _KERNEL_METHODS
 from .linformer import Linformer
 from .lsh import Lsh
@@ -19,3 +21,5 @@ DIRECT_KERNELS["lsh"] = Lsh
 DIRECT_KERNELS["routing"] = Routing
 DIRECT_KERNELS["adaptive_span"] = AdaptiveSpan
 DIRECT_KERNELS["distance_aware"] = DistanceAware
+DIRECT_KERNELS["landmark"] = Landmark
+DIRECT_KERNELS["infini"] = Infini
