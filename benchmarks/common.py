@@ -357,3 +357,21 @@ def save_figure(fig: Any, out_dir: Path, name: str) -> list[str]:
     fig.savefig(out_dir / name, dpi=110)
     plt.close(fig)
     return [name]
+
+
+def peaks_and_times(runs: dict[str, Callable[[], Any]], units: int, repeats: int, warmup: int = 1,
+                    max_wait: float = 120.0, rows: dict[str, dict[str, Any]] | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """Each run's peak step memory (`features.peak_step_bytes`), then its time in alternating quiet rounds
+    (`quiet_rounds`, `units` per call): {name: {"peak_bytes", "seconds" (`spread`)}}, added to `rows`' entries."""
+    from .features import peak_step_bytes
+
+    rows = {name: dict((rows or {}).get(name, {})) for name in runs}
+    for name, run in runs.items():
+        rows[name]["peak_bytes"] = peak_step_bytes(run)
+        log(f"{name}: {rows[name]['peak_bytes'] / 2**20:.1f} MiB")
+    competitors = [Competitor(name, run, units) for name, run in runs.items()]
+    quiet_rounds(competitors, repeats, warmup=warmup, max_wait=max_wait)
+    for c in competitors:
+        rows[c.name]["seconds"] = spread(c.seconds)
+    return rows

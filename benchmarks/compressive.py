@@ -32,9 +32,7 @@ import torch.nn.functional as F
 
 from polyformer import Decoder, TransformerWrapper
 
-from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
-                     spread, started)
-from .features import peak_step_bytes
+from .common import environment, finish_report, log, markdown_table, one_shot_parser, peaks_and_times, started
 
 FULL = dict(dim=256, depth=4, heads=4, seq=256, batch=4, mem=256, cmem=64, ratio=4)
 QUICK = dict(dim=64, depth=2, heads=2, seq=64, batch=2, mem=64, cmem=16, ratio=4)
@@ -116,14 +114,9 @@ def measure(s: dict[str, Any], repeats: int, warmup: int, max_wait: float) -> di
         attn = other.attn_layers[0].fn.fn
         trains["compressive-transformer-pytorch"] = kv_trains(other, lambda: attn.to_kv.weight,
                                                               runs["compressive-transformer-pytorch"])
-    rows: dict[str, dict[str, Any]] = {}
-    for name, run in runs.items():
-        rows[name] = {"peak_bytes": peak_step_bytes(run), "kv_weights_train": trains[name]}
-        log(f"{name}: {rows[name]['peak_bytes'] / 2**20:.1f} MiB, K/V weights train: {trains[name]}")
-    competitors = [Competitor(name, run, s["batch"] * s["seq"]) for name, run in runs.items()]
-    quiet_rounds(competitors, repeats, warmup=warmup, max_wait=max_wait)
-    for c in competitors:
-        rows[c.name]["seconds"] = spread(c.seconds)
+    log(f"K / V weights train: {trains}")
+    rows = peaks_and_times(runs, s["batch"] * s["seq"], repeats, warmup=warmup, max_wait=max_wait,
+                           rows={name: {"kv_weights_train": t} for name, t in trains.items()})
     ratios = {}
     if other is not None:
         a, b = rows["polyformer"], rows["compressive-transformer-pytorch"]

@@ -31,6 +31,8 @@ QUICK = dict(dim=64, depth=4, steps=150, thresholds=(0.9, 0.5, 0.1), tokens=8)
 
 
 def task(b: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """(b, n) rows over V tokens: half count up by one (one layer suffices), half add their last two mod V
+    (also tests/test_early_exit.py's calibration task)."""
     x = torch.randint(0, V, (b, n), generator=g)
     hard = torch.rand(b, generator=g) < 0.5
     for t in range(2, n):
@@ -95,8 +97,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"commit {env['polyformer_commit']}. Method: `benchmarks/early_exit.py` (docstring).",
         table,
         "Time / full depth < 1: early exit is faster than the plain decode loop. `early exit 1` never exits: its "
-        "difference from the plain loop is the cost of the early-exit loop itself (the module path, a confidence "
-        "per exit layer).",
+        "difference from the plain loop is the cost of the early-exit loop itself (the fast step run layer by "
+        "layer rather than as one call, a confidence per exit layer).",
     ])
 
 

@@ -31,9 +31,7 @@ import torch.nn.functional as F
 
 from polyformer import Decoder, TransformerWrapper
 
-from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
-                     spread, started)
-from .features import peak_step_bytes
+from .common import environment, finish_report, log, markdown_table, one_shot_parser, peaks_and_times, started
 
 FULL = dict(dim=256, depth=4, heads=4, seq=1024, segment=256, batch=4)
 QUICK = dict(dim=64, depth=2, heads=2, seq=128, segment=32, batch=2)
@@ -125,14 +123,7 @@ def measure(s: dict[str, Any], delta: bool, repeats: int, warmup: int, max_wait:
         parity[THEIRS] = their_parity(other, seq[:, :-1], s["segment"])
         parity[f"{THEIRS} float64"] = their_parity(copy.deepcopy(other).double(), seq[:, :-1], s["segment"])
     log(f"cache parity (max |cached - full| logit): {parity}")
-    rows: dict[str, dict[str, Any]] = {}
-    for name, run in runs.items():
-        rows[name] = {"peak_bytes": peak_step_bytes(run)}
-        log(f"{name}: {rows[name]['peak_bytes'] / 2**20:.1f} MiB")
-    competitors = [Competitor(name, run, s["batch"] * s["seq"]) for name, run in runs.items()]
-    quiet_rounds(competitors, repeats, warmup=warmup, max_wait=max_wait)
-    for c in competitors:
-        rows[c.name]["seconds"] = spread(c.seconds)
+    rows = peaks_and_times(runs, s["batch"] * s["seq"], repeats, warmup=warmup, max_wait=max_wait)
     ratios = {}
     for name in rows:
         if name != "polyformer":

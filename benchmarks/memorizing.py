@@ -15,7 +15,7 @@ keep one key / value head (ours: attn_one_kv_head), as the package's kNN layer d
 `einops_exts` and `joblib`, which its --no-deps install lacks here: the two functions it uses from each are
 provided in-process (`_stand_ins`). Its model differs in kind where the paper leaves room: a joint softmax
 over memory and local keys instead of the paper's gate, T5 relative bias (ours: rotary). Time: alternating
-rounds (`common.quiet_rounds`), medians; memory: `features.peak_step_bytes`.
+rounds (`common.quiet_rounds`), medians; memory: `features.peak_step_bytes` (both through `common.peaks_and_times`).
 Target (issue 21): at least as fast, no more memory. --quick: segments of 64, memory 512, one round.
 """
 
@@ -32,9 +32,7 @@ import torch.nn.functional as F
 
 from polyformer import Decoder, TransformerWrapper
 
-from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
-                     spread, started)
-from .features import peak_step_bytes
+from .common import environment, finish_report, log, markdown_table, one_shot_parser, peaks_and_times, started
 
 DIM, DEPTH, HEADS, DIM_HEAD, TOPK, BATCH, VOCAB = 256, 4, 4, 64, 32, 2, 256
 
@@ -139,15 +137,7 @@ def package_bugs(folder: str) -> dict[str, Any]:
 
 
 def measure(seq: int, size: int, repeats: int, warmup: int, max_wait: float, folder: str) -> dict[str, Any]:
-    runs = steps(seq, size, folder)
-    rows: dict[str, dict[str, Any]] = {}
-    for name, run in runs.items():
-        rows[name] = {"peak_bytes": peak_step_bytes(run)}
-        log(f"n {seq}, {name}: {rows[name]['peak_bytes'] / 2**20:.1f} MiB")
-    competitors = [Competitor(name, run, BATCH * seq) for name, run in runs.items()]
-    quiet_rounds(competitors, repeats, warmup=warmup, max_wait=max_wait)
-    for c in competitors:
-        rows[c.name]["seconds"] = spread(c.seconds)
+    rows = peaks_and_times(steps(seq, size, folder), BATCH * seq, repeats, warmup, max_wait)
     t = {name: row["seconds"]["median"] for name, row in rows.items()}
     theirs = t.get("memorizing-transformers-pytorch")
     ratios = {f"{name} / theirs": t[name] / theirs for name in t if theirs and name.startswith("polyformer")}

@@ -37,6 +37,11 @@ def whole(value: object, name: str, low: int = 1, optional: bool = False) -> lis
     return [f"{name} must be an integer >= {low}{' (or None)' if optional else ''}, got {value!r}"]
 
 
+def flag(value: object, name: str) -> list[str]:
+    """[] when value is True or False, else the problem naming `name` (for a variant's `check`)."""
+    return [] if isinstance(value, bool) else [f"{name} must be True or False, got {value!r}"]
+
+
 def number(value: object) -> bool:
     """Whether value is a finite real number (an int or float, not a bool): for the `check` of a variant's
     options, before comparing it with its range."""

@@ -160,6 +160,19 @@ class LayersConfig:
         return f"sandwich_coef={self.sandwich_coef}" if self.sandwich_coef else "the layout"
 
 
+def stack_options(cls: type | None = None, prefix: str = "") -> dict[str, type]:
+    """The options dataclass of every optional stack piece, by its config path ("act", "ff.moe",
+    "knn_memory", ...): the fields typed `Options | None` of LayersConfig and of its sections."""
+    found: dict[str, type] = {}
+    for name, hint in typing.get_type_hints(cls or LayersConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if dataclasses.is_dataclass(hint) and hint is not Choice:
+            found |= stack_options(hint, f"{prefix}{name}.")      # a section (ff, attention)
+        elif len(args) == 1 and dataclasses.is_dataclass(args[0]) and args[0] is not Choice:
+            found[prefix + name] = args[0]
+    return found
+
+
 def to_dict(cfg: Any) -> dict:
     """A JSON-ready dict of a config (nested configs become nested dicts)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))

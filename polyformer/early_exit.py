@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -123,8 +123,9 @@ def softmax_margin(logits: Tensor) -> Tensor:
 
 
 def state_change(h: Tensor, before: Tensor) -> Tensor:
-    """Streams (..., dim) -> cos(h, before) (...), in float32 or above."""
-    return F.cosine_similarity(upcast(h), upcast(before), dim=-1)
+    """Streams (..., dim) -> cos(h, before) (...), in float32 or above; clamped to [-1, 1], since rounding can
+    put nearly parallel streams above 1, which threshold 1 must never pass."""
+    return F.cosine_similarity(upcast(h), upcast(before), dim=-1).clamp(-1.0, 1.0)
 
 
 @dataclass
@@ -160,17 +161,22 @@ class EarlyExit(nn.Module):
     def running(self) -> bool:
         return self.run is not None
 
-    @contextlib.contextmanager
-    def decoding(self, head: Callable[[Tensor], Tensor], threshold: float | None = None) -> Iterator[ExitRun]:
-        """Within it, a stack forward with a decode state stops each token at its first confident exit layer;
-        `head` maps the head's input (b, n, dim) to logits (softmax_margin reads them)."""
+    def checked(self, threshold: float | None) -> float:
+        """The decoding threshold (None: exit_threshold), refused by name when out of range or when the
+        classifier it would read is untrained."""
         threshold = self.threshold if threshold is None else threshold
         if not number(threshold) or not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be a number in [0, 1] (1 never exits), got {threshold!r}")
         if self.classifier is not None and int(self.trained) == 0:
             raise ValueError("exit_confidence='classifier' needs a trained classifier: train the model (its "
                              "next-token loss trains it) before decoding with exits")
-        self.run = ExitRun(head, float(threshold))
+        return float(threshold)
+
+    @contextlib.contextmanager
+    def decoding(self, head: Callable[[Tensor], Tensor], threshold: float | None = None) -> Iterator[ExitRun]:
+        """Within it, a stack forward with a decode state stops each token at its first confident exit layer;
+        `head` maps the head's input (b, n, dim) to logits (softmax_margin reads them)."""
+        self.run = ExitRun(head, self.checked(threshold))
         try:
             yield self.run
         finally:
@@ -191,31 +197,48 @@ class EarlyExit(nn.Module):
         return torch.sigmoid(upcast(self.classifier(f)[..., self.exits.index(layer)]))
 
     def forward(self, stack: "AttentionLayers", x: Tensor, ctx: Context, record: "Intermediates", keep: bool) -> Tensor:
-        """One decoding step x (b, n, dim) -> the stream each position exited with (before the final norm)."""
+        """One decoding step x (b, n, dim) through the stack's modules -> the stream each position exited with
+        (before the final norm); the layers they used in `self.run.layers`."""
         if ctx.state is None:
             raise ValueError("early-exit decoding runs against a decode state (state=...)")
         if stack.layer_pos is not None:
             raise ValueError("exit_layers cannot combine with abs_pos_per_layer: an exited state has no next layer")
-        run, (b, n, _) = self.run, x.shape
-        live = torch.ones(b, n, dtype=torch.bool, device=x.device)
-        layers = torch.full((b, n), self.depth, dtype=torch.long, device=x.device)
-        before, prev = x, {"a": None, "c": None}
-        for layer in range(1, self.depth + 1):
-            blocks = stack.blocks[(layer - 1) * self.unit: layer * self.unit]
-            if not bool(live.any()):
-                self.propagate(stack, blocks, x, ctx)
-                continue
-            new = stack.run_blocks(blocks, x, ctx, record, keep, prev)
-            x = new if bool(live.all()) else torch.where(live[..., None], new, x)
-            if layer in self.exits:
-                stop = live & (self.confidence(stack, x, before, layer, run.head) > run.threshold)
-                layers = layers.masked_fill(stop, layer)
-                live, before = live & ~stop, x
-        run.layers = layers
+        run, prev, blocks = self.run, {"a": None, "c": None}, tuple(stack.blocks)     # slicing a ModuleList builds one
+        x, run.layers = self.walk(
+            x, blocks, lambda block, h: stack.run_blocks((block,), h, ctx, record, keep, prev),
+            lambda layer, h: self.propagate(blocks[layer * self.unit: (layer + 1) * self.unit], h, ctx),
+            lambda h, before, layer: self.confidence(stack, h, before, layer, run.head), run.threshold)
         return x
 
+    def walk(self, x: Tensor, blocks: Sequence[Any], run: Callable[[Any, Tensor], Tensor],
+             skip: Callable[[int, Tensor], None], confidence: Callable[[Tensor, Tensor, int], Tensor],
+             threshold: float) -> tuple[Tensor, Tensor]:
+        """The exit loop of one decoding step over `blocks` (the stack's, or a fast step's for them), x (b, n, dim)
+        -> (the stream each position exited with, the layer count (b, n) each stopped at). run(block, h): the
+        block's output; skip(layer, h): the 0-based layer's blocks propagated from h once every position has
+        exited; confidence(h, before, layer count). An exited position's stream stays frozen block by block, so
+        the blocks still run for other positions write its keys / values from its exit state, as skip would."""
+        live: Tensor | None = None          # None: every position still runs
+        stopped: Tensor | None = None       # None: none has exited
+        before = x
+        for layer in range(self.depth):
+            if live is not None and not bool(live.any()):
+                skip(layer, x)
+                continue
+            for block in blocks[layer * self.unit: (layer + 1) * self.unit]:
+                new = run(block, x)
+                x = new if live is None else torch.where(live[..., None], new, x)
+            if layer + 1 in self.exits:
+                stop = confidence(x, before, layer + 1) > threshold
+                stop = stop if live is None else stop & live
+                if bool(stop.any()):
+                    base = stopped if stopped is not None else torch.full_like(stop, self.depth, dtype=torch.long)
+                    stopped, live = base.masked_fill(stop, layer + 1), ~stop if live is None else live & ~stop
+                before = x
+        return x, stopped if stopped is not None else torch.full(x.shape[:2], self.depth, device=x.device)
+
     @staticmethod
-    def propagate(stack: "AttentionLayers", blocks: Any, x: Tensor, ctx: Context) -> None:
+    def propagate(blocks: Any, x: Tensor, ctx: Context) -> None:
         """Skipped blocks for the frozen stream x: self-attention writes its keys / values computed from x to the
         decode state, a token-shifting block records its input; nothing else runs."""
         for block in blocks:

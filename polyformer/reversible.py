@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from . import checks
 from .autodiff import deeper
 from .interfaces import AttnOut, Context
 from .losses import AuxLosses
@@ -260,7 +261,7 @@ class Pair(torch.autograd.Function):
 def problems(cfg: "LayersConfig") -> list[str]:
     """What reversible=True cannot combine with, naming the keywords."""
     if not isinstance(cfg.reversible, bool):
-        return [f"reversible must be True or False, got {cfg.reversible!r}"]
+        return checks.flag(cfg.reversible, "reversible")
     if cfg.reversible_merge not in ("mean", "concat"):
         return [f"reversible_merge must be 'mean' or 'concat', got {cfg.reversible_merge!r}"]
     if not cfg.reversible:

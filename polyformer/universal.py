@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from . import act
+from . import act, checks
 from .interfaces import Context
 from .memory.kv_cache import StateView
 
@@ -108,8 +108,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     """What universal=True, ut_timestep_emb and act cannot be or combine with, naming the keywords."""
     found = []
     for name in ("universal", "ut_timestep_emb"):
-        if not isinstance(getattr(cfg, name), bool):
-            found.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
+        found += checks.flag(getattr(cfg, name), name)
     if found:
         return found
     if cfg.act is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyformer import AttentionLayers, LayersConfig, TransformerWrapper
+from polyformer.config import stack_options
 from polyformer.keywords import KEYWORDS
 from polyformer.registry import KERNEL
 from polyformer.rules import RULES, needs_explicit_path
@@ -41,7 +42,7 @@ SWITCHES: dict[str, Any] = {
 # `TransformerWrapper` keywords that switch a feature on
 WRAPPER_SWITCHES: dict[str, Any] = {
     "use_abs_pos_emb": True, "scaled_sinu_pos_emb": True, "num_memory_tokens": 2, "max_mem_len": 4,
-    "shift_mem_down": 1, "tie_embedding": True, "logits_bias": False, "post_emb_norm": True,
+    "shift_mem_down": 1, "max_cmem_len": 2, "tie_embedding": True, "logits_bias": False, "post_emb_norm": True,
     "embed_num_tokens": {"token_type": 2},
 }
 # boolean keywords whose False is an option too, not just the default
@@ -51,8 +52,8 @@ BASE = dict(dim=16, depth=2, heads=2, attn_dim_head=8)
 
 
 def _field_type(path: str) -> Any:
-    if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.", "act.", "hourglass.",
-                        "attention.relative.", "ff.moe.", "knn_memory.", "early_exit.")):
+    if path.startswith(("attention.pattern.", "attention.kernel.", "mixer.", "attention.relative.",
+                        *(f"{piece}." for piece in stack_options()))):
         return None                 # a variant's option: a switch only when listed above
     cls: Any = LayersConfig
     *heads, last = path.split(".")

@@ -79,3 +79,16 @@ def assert_same_where_kept(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tens
     gb = torch.autograd.grad(yb[mask].square().sum(), list(b.parameters()))
     for u, v in zip(ga, gb):
         assert_close(u, v, atol=grad_atol, rtol=grad_atol)
+
+
+def stepped(model: torch.nn.Module, x: torch.Tensor, prefill: int, last: int | None = None,
+            **state_keywords: Any) -> torch.Tensor:
+    """The model's output on x (b, n) through a fresh decode state (`new_state(b, n, **state_keywords)`):
+    x[:, :prefill] in one call, one token per call up to `last` (default n), the rest in one call; joined."""
+    b, n = x.shape
+    last = n if last is None else last
+    state = model.new_state(b, n, **state_keywords)
+    chunks = [model(x[:, :prefill], state=state)] + [model(x[:, t:t + 1], state=state) for t in range(prefill, last)]
+    if last < n:
+        chunks.append(model(x[:, last:], state=state))
+    return torch.cat(chunks, 1)

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from benchmarks.early_exit import V, task    # half the rows count up by one (one layer suffices), half add mod V
 from polyformer import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
 from polyformer.calibrate import binomial_tail, calibrate_exit, hoeffding_bentkus
 from polyformer.config import LayersConfig, from_dict, to_dict
-from polyformer.early_exit import next_token_loss
+from polyformer.early_exit import next_token_loss, state_change
 from polyformer.generate.early_exit import generate
 from polyformer.train.objectives import LanguageModeling
 from tests.helpers import ids, tiny_lm
@@ -54,6 +55,8 @@ def test_state_change_is_the_cosine_of_consecutive_exit_streams():
         got = net.attn_layers.early_exit.confidence(net.attn_layers, h[3], h[1], 3, net.head)
     a, b = h[3].double(), h[1].double()
     assert_close(got.double(), (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)), atol=1e-6, rtol=0)
+    near = torch.randn(1000, 32, generator=torch.Generator().manual_seed(0))
+    assert state_change(near * 1.0001, near).max() <= 1.0        # rounding stays below threshold 1 (never exits)
 
 
 def test_state_change_decoding_compares_with_the_previous_exit_layer():
@@ -179,18 +182,6 @@ def test_p_values_equal_their_formulas():
 def test_calibration_refuses_bad_arguments(keywords, message):
     with pytest.raises(ValueError, match=message):
         calibrate_exit(model(), ids(4, 3), **keywords)
-
-
-V = 10
-
-
-def task(b: int, n: int, g: torch.Generator) -> torch.Tensor:
-    """Half the rows count up by one (easy: one layer suffices), half add their last two tokens mod V."""
-    x = torch.randint(0, V, (b, n), generator=g)
-    fib = torch.rand(b, generator=g) < 0.5
-    for t in range(2, n):
-        x[:, t] = torch.where(fib, (x[:, t - 1] + x[:, t - 2]) % V, (x[:, t - 1] + 1) % V)
-    return x
 
 
 def test_calibrated_threshold_keeps_held_out_prompts_consistent():

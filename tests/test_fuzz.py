@@ -149,7 +149,8 @@ SEQ_WRAPPER_SPACE: dict[str, st.SearchStrategy] = {
     "post_emb_norm": sometimes(TRUE, 6),
 }
 TOKEN_SPACE = {**SEQ_WRAPPER_SPACE, "emb_dim": sometimes([8, 12], 6), "tie_embedding": sometimes(TRUE, 6),
-               "logits_bias": sometimes([False], 6), "embed_num_tokens": sometimes([{"token_type": 3}], 6)}
+               "logits_bias": sometimes([False], 6), "embed_num_tokens": sometimes([{"token_type": 3}], 6),
+               "max_cmem_len": sometimes([2, 4], 4), "cmem_ratio": sometimes([1, 2], 4)}   # memory/compressive.py
 CONTINUOUS_SPACE = {**SEQ_WRAPPER_SPACE, "dim_in": sometimes([5], 3), "dim_out": sometimes([3], 3)}
 VIT_SPACE = {"patch_size": st.sampled_from([2, 4, 2, 4, 3]), "channels": sometimes([1, 2], 2),
              "num_classes": sometimes([5], 2), "emb_dropout": sometimes([0.1], 8)}

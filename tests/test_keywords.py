@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from polyformer.early_exit import ExitOptions
 from polyformer import registry
 import torch
 
@@ -27,12 +26,9 @@ from polyformer import (
     XTransformer,
 )
 from polyformer import config as config_mod
+from polyformer.config import stack_options
 from polyformer import rules
-from polyformer.act import ActOptions
 from polyformer.attention.kernels.dense import DenseKernel
-from polyformer.hourglass import HourglassOptions
-from polyformer.moe.options import MoeOptions
-from polyformer.attention.knn_memory import KnnMemoryOptions
 from polyformer.keywords import KEYWORDS, parse_layers
 
 SMALL = dict(dim=32, depth=2)
@@ -443,11 +439,8 @@ def test_keyword_table_routes_to_real_fields():
     cfg_fields = {f"attention.{k}" for k in AttentionConfig.__dataclass_fields__}
     cfg_fields |= {f"ff.{k}" for k in FeedForwardConfig.__dataclass_fields__}
     cfg_fields |= set(LayersConfig.__dataclass_fields__)
-    cfg_fields |= {f"act.{k}" for k in ActOptions.__dataclass_fields__}      # a stack option's own dataclass
-    cfg_fields |= {f"hourglass.{k}" for k in HourglassOptions.__dataclass_fields__}
-    cfg_fields |= {f"ff.moe.{k}" for k in MoeOptions.__dataclass_fields__}
-    cfg_fields |= {f"knn_memory.{k}" for k in KnnMemoryOptions.__dataclass_fields__}
-    cfg_fields |= {f"early_exit.{k}" for k in ExitOptions.__dataclass_fields__}
+    for path, options in stack_options().items():      # a stack piece's own dataclass (act, ff.moe, ...)
+        cfg_fields |= {f"{path}.{k}" for k in options.__dataclass_fields__}
     # a pattern piece's options: attention.pattern.<registry name>[.<field of its options class>]
     for piece, entry in registry.PATTERN.items():
         cfg_fields.add(f"attention.pattern.{piece}")

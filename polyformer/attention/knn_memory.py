@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..interfaces import KV, Context
 from ..memory.knn_store import KnnStore, from_bytes, normalise_keys, to_bytes
 from ..memory.vector_index import BACKENDS, KINDS, IndexSpec, have_faiss
@@ -169,15 +170,13 @@ def problems(cfg: "LayersConfig") -> list[str]:
     if o is None:
         return []
     n_self = cfg.layout.count("a")
-    found = []
+    found = checks.whole(o.topk, "knn_topk")
+    if not found and (isinstance(o.size, bool) or not isinstance(o.size, int) or o.size < o.topk):
+        found.append(f"knn_memory_size must be an integer >= knn_topk ({o.topk}), got {o.size!r}")
     bad = [l for l in o.layers if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < n_self]
     if not o.layers or bad or len(set(o.layers)) != len(o.layers):
         found.append(f"knn_memory_layers must name distinct self-attention blocks in [0, {n_self}) (the stack has "
                      f"{n_self}), got {o.layers!r}")
-    if isinstance(o.topk, bool) or not isinstance(o.topk, int) or o.topk < 1:
-        found.append(f"knn_topk must be an integer >= 1, got {o.topk!r}")
-    elif isinstance(o.size, bool) or not isinstance(o.size, int) or o.size < o.topk:
-        found.append(f"knn_memory_size must be an integer >= knn_topk ({o.topk}), got {o.size!r}")
     if o.index not in KINDS:
         found.append(f"knn_index must be one of {', '.join(KINDS)}, got {o.index!r}")
     if o.backend not in BACKENDS:
@@ -187,8 +186,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
                      "(knn_index='flat')")
     elif o.index in KINDS and (o.backend == "faiss" or o.index != "flat") and not have_faiss():
         found.append(f"knn_index={o.index!r} needs faiss: pip install polyformer[memory] (faiss-cpu)")
-    if not isinstance(o.write, bool):
-        found.append(f"knn_memory_write must be True or False, got {o.write!r}")
+    found += checks.flag(o.write, "knn_memory_write")
     found += _combinations(cfg, o, n_self)
     return found
 

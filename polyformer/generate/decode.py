@@ -201,9 +201,9 @@ class AutoregressiveWrapper(nn.Module):
             self._compiled[name] = torch.compile(self.net, backend=name)
         return self._compiled[name]
 
-    def _feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
-        """Run new tokens against the state; slide the window first when a relative-position
-        model's state is full. A windowed model's state holds its window alone: a prompt longer
+    def feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
+        """Run new tokens x (b, n) against the state (through `net`, a callable like the model, when
+        given); slide the window first when a relative-position model's state is full. A windowed model's state holds its window alone: a prompt longer
         than the room runs in chunks, exactly, since no query can see past the window."""
         room = state.max_len - state.length
         window = self.net.attn_layers.window
@@ -240,28 +240,33 @@ class AutoregressiveWrapper(nn.Module):
             start += size
         return out
 
+    def state_for(self, batch: int, prompt_len: int, seq_len: int) -> DecodeState:
+        """A decode state for a prompt of prompt_len tokens and seq_len more: all of them, or for a
+        model that slides (relative positions) at most max(prompt_len, max_seq_len), or for a
+        windowed one its sinks, its window and room to slide."""
+        length = prompt_len + seq_len
+        window = self.net.attn_layers.window
+        if window is not None and not self.net.bounded:
+            sinks, span = window
+            length = min(length, sinks + span + max(16, span // 4))
+        elif not self.net.bounded:
+            length = min(length, max(prompt_len, self.max_seq_len))
+        return self.net.new_state(batch, length)
+
     def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
                 context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None):
         """Yields next-token logits (b, v); is sent each chosen token. The one-token steps run
         through `step_net` (a compiled net) when given, else through the fast step
         (`generate.fast`) when it covers the model."""
         b, n = prompts.shape
-        if state is None:
-            length = n + seq_len
-            window = self.net.attn_layers.window
-            if window is not None and not self.net.bounded:     # the sinks, the window and room to slide
-                sinks, span = window
-                length = min(length, sinks + span + max(16, span // 4))
-            elif not self.net.bounded:
-                length = min(length, max(n, self.max_seq_len))
-            state = self.net.new_state(b, length)
+        state = state if state is not None else self.state_for(b, n, seq_len)
         pos = left_padded_positions(mask) if state.length == 0 else None
-        logits = self._feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
+        logits = self.feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
         if step_net is None:            # the same logits without the module tree's per-token costs
             step_net = fast_step(self.net)
         while True:
             token = yield logits
-            logits = self._feed(token[:, None], state, step_net, context=context, context_mask=context_mask)[:, -1]
+            logits = self.feed(token[:, None], state, step_net, context=context, context_mask=context_mask)[:, -1]
 
     def _recomputed(self, prompts: Tensor, mask: Tensor | None, context: Tensor | None,
                     context_mask: Tensor | None):

@@ -6,15 +6,18 @@ at that layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from .. import checks
 from ..early_exit import EarlyExit
+from ..interfaces import Context
+from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper, left_padded_positions, sample_steps
+from .fast import FastStep
 from .sampling import Sampler
 
 
@@ -32,6 +35,38 @@ class ExitGeneration:
         """Layers run per generated token, on average (tokens after eos_token, which ran none, left out)."""
         ran = self.layers[self.layers > 0]
         return float(ran.float().mean()) if ran.numel() else float("nan")
+
+
+class ExitStep(FastStep):
+    """The fast one-token step (fast.py) under the exit policy at `threshold`: the tuned blocks layer by layer
+    (no single call for the whole stack: tokens stop between layers), a skipped layer's keys / values written
+    from the exit state; `layers` (b, 1): where each row stopped on the last call. Equal to the module path
+    (`EarlyExit.decoding`) up to the fast step's float rounding."""
+
+    def __init__(self, net: TransformerWrapper, exits: EarlyExit, threshold: float):
+        super().__init__(net, tuned=True)
+        self.rows = None
+        self.exits, self.threshold, self.block_modules = exits, threshold, tuple(net.attn_layers.blocks)
+        self.layers: Tensor | None = None
+
+    def run(self, h: Tensor, pos: Tensor, state: DecodeState, keep: Tensor | None, bias: Tensor | None,
+            masks: Callable) -> Tensor:
+        exits, stack, prev = self.exits, self.net.attn_layers, [None]
+
+        def block_out(block: Any, x: Tensor) -> Tensor:
+            x, scores = block(x, pos, state, masks, prev[0])
+            if block.attention:
+                prev[0] = scores
+            return x
+
+        def skip(layer: int, x: Tensor) -> None:
+            blocks = self.block_modules[layer * exits.unit: (layer + 1) * exits.unit]
+            exits.propagate(blocks, x, Context(pos=pos, causal=True, state=state))
+
+        h, self.layers = exits.walk(h, self.blocks, block_out, skip,
+                                    lambda x, before, layer: exits.confidence(stack, x, before, layer, self.head),
+                                    self.threshold)
+        return h
 
 
 def policy(net: TransformerWrapper) -> EarlyExit:
@@ -71,8 +106,7 @@ def generate(model: nn.Module, prompts: Tensor, seq_len: int, threshold: float |
         checks.bool_mask("mask", mask, (b, n), "(batch, prompt_len)")
     sampler = Sampler(temperature, filter_logits_fn, filter_kwargs, 1.0, generator)
     sampler.check(net.num_tokens)
-    with exits.decoding(net.head, threshold):    # checks the threshold and the classifier before any compute
-        pass
+    threshold = exits.checked(threshold)         # the threshold and the classifier, before any compute
     used: list[Tensor] = []
 
     def steps():
@@ -80,8 +114,13 @@ def generate(model: nn.Module, prompts: Tensor, seq_len: int, threshold: float |
         logits = net(prompts, mask=mask, pos=left_padded_positions(mask), state=state, context=context,
                      context_mask=context_mask)[:, -1]
         used.append(torch.full((b,), exits.depth, dtype=torch.long, device=prompts.device))
+        fast = ExitStep(net, exits, threshold) if FastStep.unsupported(net) is None else None
         while True:
             token = yield logits
+            if fast is not None:
+                logits = fast(token[:, None], state=state, context=context, context_mask=context_mask)[:, -1]
+                used.append(fast.layers[:, -1])
+                continue
             with exits.decoding(net.head, threshold) as run:
                 logits = net(token[:, None], state=state, context=context, context_mask=context_mask)[:, -1]
             used.append(run.layers[:, -1])

@@ -218,18 +218,24 @@ class FastStep:
                 made[free] = (padded_keep, padded_bias)
             return made[free]
 
-        if self.rows is not None and self.rows.takes(h):
-            h = self.rows(h, pos, state, keep, bias)
-        else:
-            prev: Tensor | None = None
-            for block in self.blocks:
-                h, scores = block(h, pos, state, masks, prev)
-                if block.attention:
-                    prev = scores
+        h = self.run(h, pos, state, keep, bias, masks)
         state.commit()
         if self.final_norm is not None:
             h = self.final_norm(h)
         return self.head(h)
+
+    def run(self, h: Tensor, pos: Tensor, state: DecodeState, keep: Tensor | None, bias: Tensor | None,
+            masks: Callable) -> Tensor:
+        """The blocks on the new tokens' stream h (b, 1, dim), their keys / values written to the (begun) state;
+        keep / bias: the key mask and score bias, `masks(free)` those with `free` memory keys in front."""
+        if self.rows is not None and self.rows.takes(h):
+            return self.rows(h, pos, state, keep, bias)
+        prev: Tensor | None = None
+        for block in self.blocks:
+            h, scores = block(h, pos, state, masks, prev)
+            if block.attention:
+                prev = scores
+        return h
 
 
 def fast_step(net: nn.Module) -> FastStep | None:

@@ -25,19 +25,18 @@ are summed. The new memories are detached too: the language-model loss never rea
 
 from __future__ import annotations
 
-import difflib
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .. import checks
 from ..attention.kernels.dense import match_heads
 from ..interfaces import Source
+from ..keywords import closest
 from ..losses import AuxLosses
 from ..precision import upcast
-from .memories import Memories
+from .memories import Memories, kept
 
 COMPRESSIONS = ("max_pool", "mean_pool", "conv1d", "dilated_conv", "most_used")
 LOSS = "cmem_reconstruction"
@@ -88,6 +87,22 @@ def frozen_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, kv.k, kv.v
 
 
+@torch.no_grad()
+def attention_target(attn: nn.Module, old: Tensor, h: Tensor, usage: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The content attention of h (b, n, dim) over the evicted states old (b, e, dim): the queries
+    (b, h, n, d), its output (b, h, n, dv) and, when `usage`, the attention each old state received
+    (b, e), summed over heads and queries. The update runs at the forward's peak memory: only these
+    outlive the call, and without `usage` the (n, e) weights are never formed (a fused kernel)."""
+    e = old.shape[1]
+    q, k, v = frozen_qkv(attn, torch.cat((old, h), dim=1))
+    q, k, v = upcast(q[:, :, e:].contiguous()), k[:, :, :e], v[:, :, :e]
+    if usage:
+        target, weights = content_attention(q, k, v)
+        return q, target, weights.sum(dim=(1, 2))
+    heads = q.shape[1]
+    return q, F.scaled_dot_product_attention(q, upcast(match_heads(k, heads)), upcast(match_heads(v, heads))), None
+
+
 class CompressiveMemory(nn.Module):
     """The compressed memories of a wrapper's self-attention blocks: their compression functions,
     the FIFO update, and the attention-reconstruction loss."""
@@ -117,7 +132,7 @@ class CompressiveMemory(nn.Module):
             over = joined.shape[1] - self.max_mem_len
             take = over // self.ratio * self.ratio if over > 0 else 0     # whole groups of c only
             if masked:
-                joined_mask = torch.cat((_mask(given, "mem_masks", layer, mem), _ones(mask, h)), dim=1)
+                joined_mask = torch.cat((_mask(given, "mem_masks", layer, mem), kept(mask, h)), dim=1)
                 cmem_mask = _mask(given, "cmem_masks", layer, cmem)
             if take:
                 new = self.compressed(attention[layer % len(attention)], layer, joined[:, :take].detach(),
@@ -126,46 +141,36 @@ class CompressiveMemory(nn.Module):
                 if masked:      # a compressed slot is kept when its whole group was
                     group_mask = joined_mask[:, :take].view(b, -1, self.ratio).all(-1)
                     cmem_mask = torch.cat((cmem_mask, group_mask), dim=1)
-            kept = min(cmem.shape[1], self.max_cmem_len)
             mems.append(joined[:, take:].detach())
-            cmems.append(cmem[:, cmem.shape[1] - kept:].detach())
+            cmems.append(cmem[:, -self.max_cmem_len:].detach())      # max_cmem_len > 0 (setup)
             if masked:
                 mem_masks.append(joined_mask[:, take:])
-                cmem_masks.append(cmem_mask[:, cmem_mask.shape[1] - kept:])
+                cmem_masks.append(cmem_mask[:, -self.max_cmem_len:])
         return Memories(mems, cmems, mem_masks if masked else None, cmem_masks if masked else None)
 
     def compressed(self, attn: nn.Module, layer: int, old: Tensor, h: Tensor, losses: AuxLosses) -> Tensor:
         """Block `layer`'s compression of its evicted states old (b, e, dim) -> (b, e / c, dim), h its
         input (b, n, dim); reports the reconstruction loss."""
-        with torch.no_grad():
-            q, k, v = frozen_qkv(attn, torch.cat((old, h), dim=1))
-            e = old.shape[1]
-            target, weights = content_attention(q[:, :, e:], k[:, :, :e], v[:, :, :e])
-        usage = weights.sum(dim=(1, 2)) if self.fn == "most_used" else None          # (b, e)
+        q, target, usage = attention_target(attn, old, h, usage=self.fn == "most_used")
         new = self.compress[layer](old, usage)
         _, k_new, v_new = frozen_qkv(attn, new)
-        out, _ = content_attention(q[:, :, e:], k_new, v_new)
-        losses.report(LOSS, F.mse_loss(out, target), self.loss_weight)
+        out, _ = content_attention(q, k_new, v_new)
+        losses.report(LOSS, (out - target).square().mean(), self.loss_weight)   # mse; keeps one (b, h, n, dv)
         return new
-
-
-def _ones(mask: Tensor | None, x: Tensor) -> Tensor:
-    """mask, or all kept for the positions of x (b, n, dim)."""
-    return mask if mask is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
 
 
 def _mask(given: Memories | None, name: str, layer: int, x: Tensor) -> Tensor:
     """Block `layer`'s given mask `name` of memory x (b, m, dim), all kept where none was given."""
     masks = getattr(given, name) if given is not None else None
-    return _ones(masks[layer] if masks is not None else None, x)
+    return kept(masks[layer] if masks is not None else None, x)
 
 
 def setup(owner: str, stack: nn.Module, max_mem_len: int, shift_mem_down: int, max_cmem_len: object,
           cmem_ratio: object = None, cmem_fn: object = None, cmem_loss_weight: object = None
           ) -> CompressiveMemory | None:
     """The wrapper's compressed memory from its keywords (None when max_cmem_len is 0); bad values fail by name."""
-    if not isinstance(max_cmem_len, int) or isinstance(max_cmem_len, bool) or max_cmem_len < 0:
-        raise ValueError(f"{owner}: max_cmem_len must be an integer >= 0, got {max_cmem_len!r}")
+    for problem in checks.whole(max_cmem_len, "max_cmem_len", low=0):
+        raise ValueError(f"{owner}: {problem}")
     given = {k: v for k, v in (("cmem_ratio", cmem_ratio), ("cmem_fn", cmem_fn),
                                ("cmem_loss_weight", cmem_loss_weight)) if v is not None}
     if not max_cmem_len:
@@ -179,16 +184,14 @@ def setup(owner: str, stack: nn.Module, max_mem_len: int, shift_mem_down: int, m
     if shift_mem_down:
         raise ValueError(f"{owner}: max_cmem_len={max_cmem_len} cannot combine with shift_mem_down={shift_mem_down}")
     ratio = 4 if cmem_ratio is None else cmem_ratio
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        raise ValueError(f"{owner}: cmem_ratio must be an integer >= 1 (the compression rate c), got {cmem_ratio!r}")
+    for problem in checks.whole(ratio, "cmem_ratio (the compression rate c)"):
+        raise ValueError(f"{owner}: {problem}")
     fn = "conv1d" if cmem_fn is None else cmem_fn
     if fn not in COMPRESSIONS:
-        close = difflib.get_close_matches(str(fn), COMPRESSIONS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{owner}: cmem_fn must be one of {', '.join(COMPRESSIONS)}, got {cmem_fn!r}{hint}")
+        raise ValueError(f"{owner}: cmem_fn must be one of {', '.join(COMPRESSIONS)}, got {cmem_fn!r}"
+                         f"{closest(str(fn), COMPRESSIONS)}")
     weight = 1.0 if cmem_loss_weight is None else cmem_loss_weight
-    if (not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight)
-            or weight < 0):
+    if not checks.number(weight) or weight < 0:
         raise ValueError(f"{owner}: cmem_loss_weight must be a finite number >= 0, got {cmem_loss_weight!r}")
     from ..attention.attention import Attention
 

@@ -25,12 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..train.files import sha256_file
 from .vector_index import IndexSpec, VectorIndex, exact_search
 
 FORMAT = 1
 KEYS, VALUES, INDEX, META = "keys.safetensors", "values.safetensors", "index.safetensors", "meta.json"
 KEY_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+QUERY_BLOCK = 256
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -77,14 +79,10 @@ class Datastore:
         self.keys, self.values = keys, values.long()
         self.spec, self.meta = spec, dict(meta or {})
         self.index = index
-        if index is None and self._uses_index:
+        if index is None and spec.uses_faiss:
             self.index = VectorIndex(keys.shape[1], spec)
             for start in range(0, keys.shape[0], 1 << 16):
                 self.index.add(keys[start: start + (1 << 16)].float())
-
-    @property
-    def _uses_index(self) -> bool:
-        return self.spec.uses_faiss
 
     @property
     def dim(self) -> int:
@@ -96,14 +94,16 @@ class Datastore:
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
         """queries (m, dim) -> (squared L2 distances (m, k) float32, next tokens (m, k), ids (m, k)),
         nearest first; where fewer than k entries exist, ids and tokens are -1 and distances inf."""
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"knn k must be a positive integer, got {k!r}")
+        for problem in checks.whole(k, "knn k"):
+            raise ValueError(problem)
         if queries.dim() != 2 or queries.shape[1] != self.dim:
             raise ValueError(f"queries must be (m, {self.dim}), got shape {tuple(queries.shape)}")
         if self.index is not None:
             distances, ids = self.index.search(queries.float(), k)
-        else:
-            distances, ids = exact_search(self.keys.to(queries.device), queries.float(), k, "l2")
+        else:                           # queries in blocks: bounded (block, chunk) score matrices
+            keys = self.keys.to(queries.device)
+            found = [exact_search(keys, q, k, "l2") for q in queries.float().split(QUERY_BLOCK)]
+            distances, ids = torch.cat([d for d, _ in found]), torch.cat([i for _, i in found])
         values = self.values.to(ids.device)
         tokens = torch.where(ids >= 0, values[ids.clamp(min=0)], torch.full_like(ids, -1))
         return distances, tokens, ids
@@ -111,14 +111,7 @@ class Datastore:
     def check_built_with(self, model: str | None = None, tokenizer: str | None = None, where: str = "datastore") -> None:
         """ValueError naming what differs when `model` / `tokenizer` (fingerprints) are not the ones
         recorded in meta."""
-        for what, given in (("model", model), ("tokenizer", tokenizer)):
-            record = self.meta.get(what) if isinstance(self.meta.get(what), dict) else {}
-            recorded = record.get("fingerprint")
-            if given is not None and recorded != given:
-                raise ValueError(f"{where} was built with another {what} ({what} fingerprint {str(recorded)[:12]}, "
-                                 f"from {record.get('source', 'unknown')}); this {what} is {given[:12]}. A "
-                                 "datastore's keys belong to the model and tokenizer that made them: build one "
-                                 "for this run (polyformer datastore)")
+        check_built_with(self.meta, model, tokenizer, where)
 
     # --- disk ----------------------------------------------------------------------------------
 
@@ -151,9 +144,7 @@ class Datastore:
         root = Path(directory)
         meta = read_meta(root)
         where = f"datastore {str(root)!r}"
-        store = cls.__new__(cls)
-        store.meta = meta
-        store.check_built_with(model, tokenizer, where)
+        check_built_with(meta, model, tokenizer, where)     # before reading any tensor
         for name, record in meta["files"].items():
             path = root / name
             if not path.is_file():
@@ -176,6 +167,17 @@ class Datastore:
 
 
 _DERIVED = ("format", "size", "dim", "key_dtype", "index", "files")
+
+
+def check_built_with(meta: dict[str, Any], model: str | None, tokenizer: str | None, where: str) -> None:
+    for what, given in (("model", model), ("tokenizer", tokenizer)):
+        record = meta.get(what) if isinstance(meta.get(what), dict) else {}
+        recorded = record.get("fingerprint")
+        if given is not None and recorded != given:
+            raise ValueError(f"{where} was built with another {what} ({what} fingerprint {str(recorded)[:12]}, "
+                             f"from {record.get('source', 'unknown')}); this {what} is {given[:12]}. A "
+                             "datastore's keys belong to the model and tokenizer that made them: build one "
+                             "for this run (polyformer datastore)")
 
 
 def read_meta(root: Path) -> dict[str, Any]:

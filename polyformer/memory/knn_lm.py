@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from .datastore import Datastore, KEY_DTYPES
 from .vector_index import IndexSpec
 
@@ -24,12 +25,11 @@ KEY_LAYERS = ("ffn_input", "final")
 
 
 def check_knn(lam: float, k: int, temperature: float) -> None:
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0.0 <= lam <= 1.0:
+    if not (checks.number(lam) and 0.0 <= lam <= 1.0):
         raise ValueError(f"knn lambda must be in [0, 1], got {lam!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"knn k must be a positive integer, got {k!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-            or math.isinf(temperature):
+    for problem in checks.whole(k, "knn k"):
+        raise ValueError(problem)
+    if not (checks.number(temperature) and temperature > 0):
         raise ValueError(f"knn temperature must be a positive number, got {temperature!r}")
 
 
@@ -123,6 +123,11 @@ def batched(parts: list[tuple[Tensor, int]], batch_size: int) -> Iterator[tuple[
         yield torch.stack([w for w, _ in group]), [s for _, s in group]
 
 
+def unscored(skips: list[int], n: int, device: torch.device) -> Tensor:
+    """(b, n) bool: the positions of b windows of n inputs whose targets no earlier window scored."""
+    return torch.arange(n, device=device) >= torch.tensor(skips, device=device)[:, None]
+
+
 @torch.no_grad()
 def build_datastore(net: nn.Module, tokens: Tensor, key: str = "ffn_input", stride: int | None = None,
                     batch_size: int = 8, spec: IndexSpec | None = None, key_dtype: str = "float16",
@@ -131,8 +136,8 @@ def build_datastore(net: nn.Module, tokens: Tensor, key: str = "ffn_input", stri
     as `sliding_windows`) and the target token. `progress(n)` is told each batch's entry count."""
     if key_dtype not in KEY_DTYPES:
         raise ValueError(f"knn key dtype must be one of {', '.join(KEY_DTYPES)}, got {key_dtype!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    for problem in checks.whole(batch_size, "batch_size"):
+        raise ValueError(problem)
     was_training = net.training
     net.eval()
     device = next(net.parameters()).device
@@ -141,11 +146,11 @@ def build_datastore(net: nn.Module, tokens: Tensor, key: str = "ffn_input", stri
         for x, skips in batched(sliding_windows(tokens, net.max_seq_len, stride), batch_size):
             x = x.to(device)
             _, reps = forward_keys(net, x[:, :-1], key)
-            for row, skip in enumerate(skips):
-                keys.append(reps[row, skip:].to(KEY_DTYPES[key_dtype]).cpu())
-                values.append(x[row, 1 + skip:].cpu())
+            fresh = unscored(skips, x.shape[1] - 1, device)
+            keys.append(reps[fresh].to(KEY_DTYPES[key_dtype]).cpu())
+            values.append(x[:, 1:][fresh].cpu())
             if progress is not None:
-                progress(sum(x.shape[1] - 1 - s for s in skips))
+                progress(values[-1].numel())
     finally:
         net.train(was_training)
     return Datastore(torch.cat(keys), torch.cat(values), spec, {**(meta or {}), "key": key})
@@ -171,15 +176,15 @@ class KnnLM:
         self.net, self.datastore = net, datastore
         self.lam, self.k, self.temperature, self.key = float(lam), k, float(temperature), key
 
+    def knn(self, keys: Tensor, vocab: int) -> Tensor:
+        """log p_kNN (..., vocab) float32 of keys (..., dim), on the keys' device."""
+        distances, tokens, _ = self.datastore.search(keys.reshape(-1, keys.shape[-1]), self.k)
+        return knn_log_probs(distances, tokens, vocab, self.temperature).view(*keys.shape[:-1], vocab).to(keys.device)
+
     def mix(self, logits: Tensor, keys: Tensor) -> Tensor:
         """Interpolated log-probabilities (..., vocab) float32 from LM logits (..., vocab) and keys (..., dim)."""
         lm = torch.log_softmax(logits.float(), dim=-1)
-        if self.lam == 0.0:
-            return lm
-        flat = keys.reshape(-1, keys.shape[-1])
-        distances, tokens, _ = self.datastore.search(flat, self.k)
-        knn = knn_log_probs(distances, tokens, logits.shape[-1], self.temperature).view(lm.shape)
-        return interpolate(lm, knn.to(lm.device), self.lam)
+        return lm if self.lam == 0.0 else interpolate(lm, self.knn(keys, logits.shape[-1]), self.lam)
 
     @torch.no_grad()
     def log_probs(self, x: Tensor) -> Tensor:
@@ -188,30 +193,39 @@ class KnnLM:
         return self.mix(logits, keys)
 
     @torch.no_grad()
-    def score(self, tokens: Tensor, stride: int | None = None, batch_size: int = 8,
-              max_batches: int | None = None) -> dict[str, float]:
-        """Mean next-token loss in nats over a stream (N,) in `sliding_windows`: {"loss", "lm_loss",
-        "count"} (kNN-LM and the LM alone, on the same windows)."""
+    def target_log_probs(self, tokens: Tensor, stride: int | None = None, batch_size: int = 8,
+                         max_batches: int | None = None, with_knn: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(log p_LM, log p_kNN) float32 (T,) of each target of a stream (N,) in `sliding_windows`, in
+        order (the first `max_batches` batches only, when given); log p_kNN is None without `with_knn`.
+        Any λ's log-probabilities are then `interpolate(lm, knn, λ)`."""
+        for problem in checks.whole(max_batches, "max_batches", optional=True):
+            raise ValueError(problem)
         was_training = self.net.training
         self.net.eval()
         device = next(self.net.parameters()).device
-        total, lm_total, count = 0.0, 0.0, 0
+        lm, knn = [], []
         try:
             for i, (x, skips) in enumerate(batched(sliding_windows(tokens, self.net.max_seq_len, stride), batch_size)):
                 if max_batches is not None and i >= max_batches:
                     break
                 x = x.to(device)
                 logits, keys = forward_keys(self.net, x[:, :-1], self.key)
-                for row, skip in enumerate(skips):
-                    target = x[row, 1 + skip:, None]
-                    mixed = self.mix(logits[row, skip:], keys[row, skip:])
-                    lm = torch.log_softmax(logits[row, skip:].float(), dim=-1)
-                    total -= mixed.gather(-1, target).sum().item()
-                    lm_total -= lm.gather(-1, target).sum().item()
-                    count += target.shape[0]
+                fresh = unscored(skips, x.shape[1] - 1, device)
+                logits, keys, target = logits[fresh], keys[fresh], x[:, 1:][fresh, None]     # (m, vocab), (m, dim), (m, 1)
+                lm.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, target)[:, 0])
+                if with_knn:
+                    knn.append(self.knn(keys, logits.shape[-1]).gather(-1, target)[:, 0])
         finally:
             self.net.train(was_training)
-        return {"loss": total / max(count, 1), "lm_loss": lm_total / max(count, 1), "count": count}
+        return torch.cat(lm), torch.cat(knn) if with_knn else None
+
+    def score(self, tokens: Tensor, stride: int | None = None, batch_size: int = 8,
+              max_batches: int | None = None) -> dict[str, float]:
+        """Mean next-token loss in nats over a stream (N,) in `sliding_windows`: {"loss", "lm_loss",
+        "count"} (kNN-LM and the LM alone, on the same windows)."""
+        lm, knn = self.target_log_probs(tokens, stride, batch_size, max_batches, with_knn=self.lam > 0.0)
+        mixed = lm if knn is None else interpolate(lm, knn, self.lam)
+        return {"loss": -mixed.double().mean().item(), "lm_loss": -lm.double().mean().item(), "count": lm.numel()}
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, seq_len: int, temperature: float = 1.0,
@@ -225,31 +239,31 @@ class KnnLM:
         from ..generate.decode import AutoregressiveWrapper
         from ..generate.sampling import Sampler
 
-        if not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        wrapper = AutoregressiveWrapper(self.net)
-        b, n = prompts.shape
+        for problem in checks.whole(seq_len, "seq_len"):
+            raise ValueError(problem)
+        b, n = checks.token_ids(prompts, self.net.num_tokens, "prompts").shape
         if self.net.bounded and n > self.net.max_seq_len:
             raise ValueError(f"prompts have {n} tokens but the model's learned positions stop at "
                              f"max_seq_len={self.net.max_seq_len}")
         sampler = Sampler(temperature, filter_logits_fn, filter_kwargs, 1.0, generator)
         sampler.check(self.net.num_tokens)
-        bounded, window = self.net.bounded, self.net.max_seq_len
-        state = None                     # learned positions past their window: each step recomputes it
-        if not bounded or n + seq_len <= window:
-            state = self.net.new_state(b, min(n + seq_len, window) if bounded else min(n + seq_len, max(n, window)))
+        wrapper, window = AutoregressiveWrapper(self.net), self.net.max_seq_len
+        recompute = self.net.bounded and n + seq_len > window     # learned positions past their window
+        state = None if recompute else wrapper.state_for(b, n, seq_len)
+
+        def run(x: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            return forward_keys(self.net, x, self.key, **kwargs)
+
         was_training = self.net.training
         self.net.eval()
         out, seq, x = [], prompts, prompts
         try:
             for _ in range(seq_len):
-                with reading_keys(self.net, self.key) as seen:
-                    hidden = (wrapper._feed(x, state, return_embeddings=True) if state is not None
-                              else self.net(seq[:, -window:], return_embeddings=True))
-                keys = hidden if self.key == "final" else seen[-1]
-                token = sampler(self.mix(self.net.head(hidden[:, -1]), keys[:, -1]), None)
+                logits, keys = wrapper.feed(x, state, run) if state is not None else run(seq[:, -window:])
+                token = sampler(self.mix(logits[:, -1], keys[:, -1]), None)
                 out.append(token)
-                seq, x = torch.cat((seq, token[:, None]), 1), token[:, None]
+                x = token[:, None]
+                seq = torch.cat((seq, x), 1) if state is None else seq
         finally:
             self.net.train(was_training)
         return torch.stack(out, 1)

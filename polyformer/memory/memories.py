@@ -38,12 +38,13 @@ class Memories:
         if self.mem_masks is None and self.cmem_masks is None:
             return mems, None
         none = [None] * len(mems)
-        masks = [torch.cat((_kept(cm, c), _kept(mm, m)), dim=1)
+        masks = [torch.cat((kept(cm, c), kept(mm, m)), dim=1)
                  for c, m, cm, mm in zip(self.cmems, self.mems, self.cmem_masks or none, self.mem_masks or none)]
         return mems, masks
 
 
-def _kept(mask: Tensor | None, x: Tensor) -> Tensor:
+def kept(mask: Tensor | None, x: Tensor) -> Tensor:
+    """mask, or all kept for the positions of x (b, n, dim)."""
     return mask if mask is not None else torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
 
 

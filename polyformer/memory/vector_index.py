@@ -3,7 +3,9 @@ Transformer, kNN-LM, SPALM): exact search in torch or faiss's flat index (the sa
 faiss's approximate IVF and HNSW indexes (`pip install polyformer[memory]` for faiss-cpu).
 
 Ids are insertion order among the vectors held: 0 is the oldest. `keep_last(n)` forgets the oldest
-vectors and renumbers the rest, so a bounded memory evicts first-in first-out."""
+vectors and renumbers the rest, so a bounded memory evicts first-in first-out. A faiss index keeps the
+forgotten vectors (stale) and searches only the live ids, until the stale part outgrows the live part:
+then it is rebuilt from the live vectors, so eviction costs amortised O(1) additions per vector."""
 
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ class VectorIndex:
         self._vectors: Tensor | None = None      # exact storage: torch backend, or an IVF before training
         self._faiss = None
         self._count = 0
+        self._stale = 0                          # forgotten vectors still at the front of the faiss index
         if self.spec.uses_faiss and self.spec.kind != "ivf":
             self._faiss = self._new_faiss()
 
@@ -128,8 +131,9 @@ class VectorIndex:
         if self._faiss is None:
             db = self._vectors if self._vectors is not None else q.new_zeros(0, self.dim)
             return exact_search(db.to(q.device), q, k, self.spec.metric)
-        scores, ids = self._faiss.search(q.detach().float().cpu().contiguous().numpy(), k)
+        scores, ids = self._faiss.search(q.detach().float().cpu().contiguous().numpy(), k, params=self._live())
         scores, ids = torch.from_numpy(scores).to(q.device), torch.from_numpy(ids).to(q.device)
+        ids = torch.where(ids >= 0, ids - self._stale, ids)       # live ids from 0
         if self.spec.metric == "l2":
             scores = scores.masked_fill(ids < 0, math.inf)
         else:
@@ -142,22 +146,23 @@ class VectorIndex:
         end = self._count if end is None else end
         if self._faiss is None:
             return self._vectors[start:end] if self._vectors is not None else torch.zeros(0, self.dim)
-        return torch.from_numpy(self._faiss.reconstruct_n(start, end - start)) if end > start \
+        return torch.from_numpy(self._faiss.reconstruct_n(self._stale + start, end - start)) if end > start \
             else torch.zeros(0, self.dim)
 
     def keep_last(self, n: int) -> None:
         """Forget all but the newest n vectors (ids renumbered from 0)."""
         if n >= self._count:
             return
-        kept = self.vectors(self._count - n)
         if self._faiss is None:
-            self._vectors, self._count = kept.clone(), n
+            self._vectors, self._count = self.vectors(self._count - n).clone(), n
             return
-        self._faiss.reset()                      # an IVF keeps its trained cells
-        self._count = 0
-        if n:
-            self._faiss.add(kept.contiguous().numpy())
-            self._count = n
+        self._stale, self._count = self._stale + self._count - n, n
+        if self._stale > self._count:           # rebuild from the live vectors
+            kept = self.vectors()
+            self._faiss.reset()                  # an IVF keeps its trained cells
+            self._stale = 0
+            if n:
+                self._faiss.add(kept.contiguous().numpy())
 
     # --- saving -------------------------------------------------------------------------------
 
@@ -166,6 +171,7 @@ class VectorIndex:
         if self._faiss is not None:
             import faiss
             out["faiss"] = torch.from_numpy(faiss.serialize_index(self._faiss).copy())
+            out["stale"] = torch.tensor(self._stale)
         elif self._vectors is not None:
             out["vectors"] = self._vectors.cpu()
         return out
@@ -183,7 +189,8 @@ class VectorIndex:
         elif "vectors" in state:
             index._vectors = state["vectors"].float()
         index._count = int(state["count"])
-        held = index._faiss.ntotal if index._faiss is not None else (
+        index._stale = int(state.get("stale", 0))
+        held = index._faiss.ntotal - index._stale if index._faiss is not None else (
             index._vectors.shape[0] if index._vectors is not None else 0)
         if held != index._count:
             raise ValueError(f"saved index is inconsistent: it holds {held} vectors, its count says {index._count}")
@@ -206,6 +213,19 @@ class VectorIndex:
         self._faiss = index
         self._tune()
         return index
+
+    def _live(self):
+        """faiss search parameters that skip the stale ids (None when there are none)."""
+        if not self._stale:
+            return None
+        import faiss
+        live = faiss.IDSelectorRange(self._stale, self._stale + self._count)
+        if self.spec.kind == "ivf":
+            return faiss.SearchParametersIVF(sel=live, nprobe=self.spec.nprobe)
+        if self.spec.kind == "hnsw":
+            widened = -(-self.spec.ef_search * (self._stale + self._count) // self._count)   # as many live candidates
+            return faiss.SearchParametersHNSW(sel=live, efSearch=widened)
+        return faiss.SearchParameters(sel=live)
 
     def _tune(self) -> None:
         if self.spec.kind == "ivf":

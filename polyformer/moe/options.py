@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..checks import number, whole
+from ..checks import flag, number, whole
 
 if TYPE_CHECKING:
     from ..config import LayersConfig
@@ -70,8 +70,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
     found += whole(o.shared_experts, "ff_moe_shared_experts", low=0)
     found += whole(o.every, "ff_moe_every")
     found += whole(o.offset, "ff_moe_offset", low=0, optional=True)
-    if not isinstance(o.route_padding, bool):
-        found.append(f"ff_moe_route_padding must be True or False, got {o.route_padding!r}")
+    found += flag(o.route_padding, "ff_moe_route_padding")
     if o.renormalize is not None and not isinstance(o.renormalize, bool):
         found.append(f"ff_moe_renormalize must be True, False or None, got {o.renormalize!r}")
     if found:

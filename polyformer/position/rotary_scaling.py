@@ -118,8 +118,7 @@ class Yarn(RotaryScaling):
         kw, found = Yarn.keyword, _stretch(Yarn.keyword, o.factor)
         if not (checks.number(o.beta_fast) and checks.number(o.beta_slow) and o.beta_fast > o.beta_slow > 0):
             found.append(f"{kw} needs beta_fast > beta_slow > 0, got {o.beta_fast!r} and {o.beta_slow!r}")
-        if not isinstance(o.truncate, bool):
-            found.append(f"{kw} truncate must be True or False, got {o.truncate!r}")
+        found += checks.flag(o.truncate, f"{kw} truncate")
         return found
 
     def forward(self, length: Tensor | None) -> Tensor:

@@ -50,8 +50,7 @@ class ShawRelative(RelativeStage):
     @staticmethod
     def check(options: ShawOptions, cfg: LayersConfig) -> list[str]:
         found = checks.whole(options.max_distance, "rel_pos_shaw")
-        if not isinstance(options.values, bool):
-            found.append(f"rel_pos_shaw_values must be True or False, got {options.values!r}")
+        found += checks.flag(options.values, "rel_pos_shaw_values")
         return found
 
     def terms(self, q: Tensor, kv: KV, q_pos: Tensor, scale: float) -> Tensor:

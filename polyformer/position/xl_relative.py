@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..config import LayersConfig
 from ..interfaces import KV
 from ..precision import upcast
@@ -60,9 +61,7 @@ class XLRelative(RelativeStage):
 
     @staticmethod
     def check(options: XLOptions, cfg: LayersConfig) -> list[str]:
-        if not isinstance(options.shared_uv, bool):
-            return [f"rel_pos_xl_shared_uv must be True or False, got {options.shared_uv!r}"]
-        return []
+        return checks.flag(options.shared_uv, "rel_pos_xl_shared_uv")
 
     @property
     def biases(self) -> XLBiases:

@@ -115,11 +115,14 @@ def _evaluate_knn(run_dir: str, settings: RunSettings, model: nn.Module, checkpo
         per_token, what = len(corpus.data) / tokens.numel(), f"{len(corpus.files)} file(s): {corpus.source}"
     else:
         data = _validation(settings, run_dir)
-        tokens, per_token, what = data.val, data.bytes_per_token, "the run's validation split (every token)"
-    result = evaluate_knn(run_dir, settings, model, knn, tokens, per_token, asked.train.batch_size,
-                          asked.train.eval_batches if limited else None)
-    print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {what}{describe(knn)}",
-          file=sys.stderr)
+        tokens, per_token = data.val, data.bytes_per_token
+        what = ("the run's validation split (plain eval scores its eval_batches fixed batches instead: compare "
+                "loss with lm_loss, the LM alone on these same tokens)")
+    result, count = evaluate_knn(run_dir, settings, model, knn, tokens, per_token, asked.train.batch_size,
+                                 asked.train.eval_batches if limited else None)
+    windows = f"the first {asked.train.eval_batches} batches of windows" if limited else "every window"
+    print(f"polyformer eval: scored {checkpoint} (step {checkpoint_step(checkpoint)}) on {count:,} tokens, {windows}, "
+          f"of {what}{describe(knn)}", file=sys.stderr)
     print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return 0
 

@@ -31,6 +31,8 @@ def add_datastore_parser(sub: Any) -> None:
     ds.add_argument("--run", required=True, help="run directory")
     ds.add_argument("--out", required=True, help="the datastore directory to create (must not exist, or be empty)")
     ds.add_argument("--index", choices=KINDS, default="flat", help="flat (exact, default), ivf or hnsw (faiss)")
+    ds.add_argument("--nprobe", type=int, default=None,
+                    help="with --index ivf: cells searched per query (default 8): more is slower, with a higher recall")
     ds.add_argument("--key", choices=KEY_LAYERS, default="ffn_input",
                     help="ffn_input: the final feedforward's input, as the paper (default); final: what the head reads")
     ds.add_argument("--key-dtype", choices=sorted(KEY_DTYPES), default="float16", help="how keys are stored")
@@ -94,7 +96,10 @@ def datastore_command(args: argparse.Namespace, overrides: list[tuple[str, str]]
     if unknown:
         raise SystemExit(f"polyformer datastore: --{unknown[0]} does not apply: the datastore is made with the run's "
                          "own model and tokenizer; it takes --data.paths and --data.max_bytes")
-    spec = IndexSpec(kind=args.index)
+    if args.nprobe is not None and (args.index != "ivf" or args.nprobe < 1):
+        raise SystemExit(f"polyformer datastore: --nprobe must be an integer >= 1 and applies to --index ivf, got "
+                         f"--nprobe {args.nprobe} with --index {args.index}")
+    spec = IndexSpec(kind=args.index) if args.nprobe is None else IndexSpec(kind=args.index, nprobe=args.nprobe)
     settings, model, checkpoint = load_checkpointed(args.run)
     _causal(settings, args.run, "datastore")
     if args.stride is not None and not 1 <= args.stride <= settings.model.max_seq_len:
@@ -133,15 +138,17 @@ def knn_model(run_dir: str, model: nn.Module, options: dict[str, Any]) -> KnnLM:
 
 
 def evaluate_knn(run_dir: str, settings: Any, model: nn.Module, options: dict[str, Any], tokens: torch.Tensor,
-                 bytes_per_token: float, batch_size: int, max_batches: int | None) -> dict[str, float]:
-    """kNN-LM scores of every token of `tokens` (windows as plain eval's), and the LM's alone."""
+                 bytes_per_token: float, batch_size: int, max_batches: int | None) -> tuple[dict[str, float], int]:
+    """(kNN-LM scores and the LM's alone, targets scored) over the windows of `tokens` (as `scoring.windows`;
+    the first `max_batches` batches only, when given)."""
     from .scoring import scores
 
     _causal(settings, run_dir, "eval")
     knn = knn_model(run_dir, model, options)
     result = knn.score(tokens, batch_size=batch_size, max_batches=max_batches)
     lm = scores(result["lm_loss"], bytes_per_token)
-    return {**scores(result["loss"], bytes_per_token), "lm_loss": lm["loss"], "lm_perplexity": lm["perplexity"]}
+    return {**scores(result["loss"], bytes_per_token), "lm_loss": lm["loss"], "lm_perplexity": lm["perplexity"]}, \
+        result["count"]
 
 
 def describe(options: dict[str, Any]) -> str:

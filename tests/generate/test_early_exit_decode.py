@@ -1,7 +1,8 @@
 """Early-exit decoding (polyformer/generate/early_exit.py): with a threshold that never exits the logits and
-tokens are the full model's bit for bit; with exits, the skipped layers' decode state holds the keys / values
-computed from the exited state (worked out by hand), their attention and feedforward never run, a batch row
-decodes as it would alone, and the mean layers used fall below the depth."""
+tokens are the full model's bit for bit (and the uncached forward's); with exits, the skipped layers' decode
+state holds the keys / values computed from the exited state (worked out by hand), their attention and
+feedforward never run, on the fast step (ExitStep) as on the module path, which agree; a batch row decodes as
+it would alone; a step's logits do not move when later tokens change; the mean layers fall below the depth."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from torch.testing import assert_close
 from polyformer import AutoregressiveWrapper
 from polyformer.attention.attention import Attention
 from polyformer.feedforward import FeedForward
-from polyformer.generate.early_exit import generate
+from polyformer.generate import plan
+from polyformer.generate.early_exit import ExitStep, generate
 from tests.helpers import ids, tiny_lm
 
 DEPTH = 4
@@ -65,13 +67,18 @@ def reference_keys(net, layer: int, h: torch.Tensor, pos: torch.Tensor) -> tuple
     return k.float(), v
 
 
-def test_skipped_layers_keys_come_from_the_exited_state():
+@pytest.mark.parametrize("fast", [False, True])
+def test_skipped_layers_keys_come_from_the_exited_state(fast):
     net, x = model(), ids(2, 7)
     exits, state = net.attn_layers.early_exit, net.new_state(2, 8)
     with torch.no_grad():
         net(x[:, :-1], state=state)
-        with exits.decoding(net.head, 0.0) as run:        # any margin above 0 exits at the first layer
-            net(x[:, -1:], state=state)
+        if fast:
+            run = ExitStep(net, exits, 0.0)                # any margin above 0 exits at the first layer
+            run(x[:, -1:], state=state)
+        else:
+            with exits.decoding(net.head, 0.0) as run:
+                net(x[:, -1:], state=state)
         _, record = net(x, return_intermediates=True)    # the full model: its stream after layer 1 is the exit's
     assert run.layers.eq(1).all()
     t, pos = x.shape[1] - 1, torch.full((2, 1), x.shape[1] - 1)
@@ -84,8 +91,14 @@ def test_skipped_layers_keys_come_from_the_exited_state():
         assert_close(state.v[layer][:, :, t: t + 1], v, atol=1e-5, rtol=1e-5)
 
 
+def on_module_path(net):
+    """`net` with a no-op forward hook: generation then keeps the module path (the fast step refuses hooks)."""
+    net.register_forward_hook(lambda *args: None)
+    return net
+
+
 def test_exited_tokens_skip_attention_and_feedforward_of_later_layers():
-    net = model()
+    net = on_module_path(model())
     calls: list[str] = []
     for i, block in enumerate(net.attn_layers.blocks):
         if isinstance(block.branch, (Attention, FeedForward)):
@@ -97,14 +110,59 @@ def test_exited_tokens_skip_attention_and_feedforward_of_later_layers():
     assert out.layers.tolist() == [[DEPTH, 1, 1, 1, 1, 1]] and out.mean_layers < DEPTH
 
 
-def test_a_row_decodes_as_it_would_alone():
-    net, x = model(exit_layers=(1, 2, 3)), ids(3, 5)
+def test_the_fast_step_skips_attention_and_feedforward_of_later_layers(monkeypatch):
+    """Generation runs the fast step's blocks (generate/plan.py) layer by layer: an exited token runs none after."""
+    net, calls = model(), []
+    attend, compute = plan.attend, FeedForward.compute
+    monkeypatch.setattr(plan, "attend", lambda *a: calls.append("a") or attend(*a))
+    monkeypatch.setattr(FeedForward, "compute", staticmethod(lambda *a: calls.append("f") or compute(*a)))
+    prompt = ["f"] * DEPTH                                   # the prompt's module path: its own attention kernel
+    out = generate(net, ids(1, 5), 6, threshold=0.0)
+    assert calls == prompt + ["a", "f"] * 5 and out.layers.tolist() == [[DEPTH, 1, 1, 1, 1, 1]]
+    calls.clear()
+    assert generate(net, ids(1, 5), 6, threshold=1.0).mean_layers == DEPTH
+    assert calls == prompt + ["a", "f"] * DEPTH * 5
+
+
+@pytest.mark.parametrize("keywords", [{}, dict(macaron=True)])
+def test_a_row_decodes_as_it_would_alone_on_either_path(keywords):
+    """Rows exit at different layers; an exited row's stream stays frozen block by block (macaron: a
+    feedforward before the attention), so its later keys / values are the propagated ones, as alone."""
+    net, x = model(exit_layers=(1, 2, 3), **keywords), ids(3, 5)
     threshold = 0.005                                                  # margins of an untrained model are small
     batch = generate(net, x, 8, threshold=threshold)
-    assert batch.layers.unique().numel() > 1                          # rows and steps exit at different layers
+    assert batch.layers.unique().numel() > 2                          # rows and steps exit at different layers
     for row in range(3):
         alone = generate(net, x[row: row + 1], 8, threshold=threshold)
         assert torch.equal(alone.tokens[0], batch.tokens[row]) and torch.equal(alone.layers[0], batch.layers[row])
+    module = generate(on_module_path(net), x, 8, threshold=threshold)
+    assert torch.equal(module.tokens, batch.tokens) and torch.equal(module.layers, batch.layers)
+
+
+def forced(net, x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced early-exit decoding of x (b, n) on the fast step: (logits (b, n - 1, v) of positions
+    1 .. n - 1, the layers each used (b, n - 1))."""
+    exits, state = net.attn_layers.early_exit, net.new_state(x.shape[0], x.shape[1])
+    step, logits, layers = ExitStep(net, exits, threshold), [], []
+    with torch.no_grad():
+        net(x[:, :1], state=state)
+        for t in range(1, x.shape[1]):
+            logits.append(step(x[:, t: t + 1], state=state))
+            layers.append(step.layers)
+    return torch.cat(logits, dim=1), torch.cat(layers, dim=1)
+
+
+def test_exit_decoding_is_causal_and_never_exiting_matches_the_uncached_forward():
+    net, x = model(exit_layers=(1, 2, 3)), ids(2, 8)
+    logits, layers = forced(net, x, 0.005)
+    assert layers.unique().numel() > 2
+    y = x.clone()
+    y[:, 5:] = ids(2, 3, seed=7)                                       # change only the future
+    later, later_layers = forced(net, y, 0.005)
+    assert torch.equal(logits[:, :4], later[:, :4]) and torch.equal(layers[:, :4], later_layers[:, :4])
+    full, used = forced(net, x, 1.0)
+    with torch.no_grad():
+        assert_close(full, net(x)[:, 1:], atol=1e-5, rtol=1e-5) and used.eq(DEPTH).all()
 
 
 def test_exiting_changes_the_state_later_tokens_read():

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from polyformer import Decoder, TransformerWrapper, XLAutoregressiveWrapper
 from polyformer.build import build_model, model_config
+from polyformer.losses import AuxLosses
 from polyformer.memory.compressive import Compression
 from polyformer.memory.memories import Memories
 from tests.helpers import ids
@@ -101,7 +102,6 @@ def test_most_used_keeps_the_most_attended_states_in_order():
     k = (old @ w_k.T).view(2, 6, HEADS, 8).transpose(1, 2)
     usage = (q @ k.transpose(-1, -2) / 8 ** 0.5).softmax(-1).sum((1, 2))         # attention received (b, e)
     keep = usage.topk(3, dim=1).indices.sort(1).values
-    from polyformer.losses import AuxLosses
     got = net.compressive.compressed(attn, 0, old, h, AuxLosses())
     assert torch.equal(got, old[torch.arange(2)[:, None], keep])
     f = Compression("most_used", 4, 2)

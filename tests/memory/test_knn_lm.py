@@ -110,6 +110,35 @@ def test_a_stored_context_retrieves_its_own_entry_first(key_dtype):
         assert (distances[:, 0] < distances[:, 1]).all()
 
 
+def test_a_later_token_moves_no_earlier_distribution():
+    net = tiny()
+    knn = KnnLM(net, build_datastore(net, stream(12, 300), key_dtype="float32"), lam=0.6, k=8, temperature=10.0)
+    x = stream(15, SEQ)[None]                                    # unseen text, a soft p_kNN: every key counts
+    y = x.clone()
+    y[:, 20:] = (y[:, 20:] + 1) % VOCAB
+    got, moved = knn.log_probs(x), knn.log_probs(y)
+    torch.testing.assert_close(got[:, :20], moved[:, :20])
+    assert not torch.allclose(got[:, 20:], moved[:, 20:])
+
+
+@pytest.mark.parametrize("stride", [None, 8])
+def test_score_is_the_mean_of_each_windows_interpolated_targets(stride):
+    net = tiny()
+    tokens = stream(13, 200)
+    knn = KnnLM(net, build_datastore(net, stream(14, 300)), lam=0.4, k=8)
+    nll, lm_nll, count = 0.0, 0.0, 0
+    for w, skip in sliding_windows(tokens, SEQ, stride):               # one window at a time, the explicit way
+        target = w[None, 1 + skip:, None]
+        nll -= knn.log_probs(w[None, :-1])[:, skip:].gather(-1, target).sum().item()
+        lm_nll -= torch.log_softmax(net(w[None, :-1])[:, skip:], -1).gather(-1, target).sum().item()
+        count += target.numel()
+    result = knn.score(tokens, stride=stride, batch_size=3)
+    assert result["count"] == count == tokens.numel() - 1
+    assert result["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert result["lm_loss"] == pytest.approx(lm_nll / count, rel=1e-5)
+    assert result["loss"] != pytest.approx(result["lm_loss"], rel=1e-3)
+
+
 def test_the_datastore_memorises_its_text_and_not_other_text():
     net = tiny()
     seen, unseen = stream(5, 800), stream(6, 800)

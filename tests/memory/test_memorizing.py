@@ -212,6 +212,21 @@ def test_generation_reads_the_memory_and_cached_equals_uncached():
     assert not torch.equal(ar.generate(prompts, 8, temperature=0.0), cached)   # the memory mattered
 
 
+def test_cached_steps_equal_the_uncached_forward_over_a_filled_memory():
+    model = lm(depth=2, rotary_pos_emb=True)
+    for s in range(2):                                 # 20 written, 16 kept: the memory evicted
+        model(ids(2, 10, seed=s))
+    x = ids(2, 9, seed=3)
+    with read_only(model):
+        full = model(x)
+        state = model.new_state(2, 9)
+        cached = torch.cat([model(x[:, :4], state=state)] + [model(x[:, t:t + 1], state=state) for t in range(4, 9)], 1)
+    assert_close(cached, full, atol=1e-5, rtol=1e-5)
+    clear_knn_memories(model)
+    with read_only(model):
+        assert not torch.allclose(model(x), full, atol=1e-3)    # the memory was read
+
+
 def test_xl_segments_write_the_memory_once_each():
     model = lm(depth=2, max_seq_len=8, max_mem_len=8, knn_memory_size=64)
     xl = XLAutoregressiveWrapper(model)

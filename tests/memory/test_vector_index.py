@@ -70,6 +70,23 @@ def test_approximate_indexes_find_most_true_neighbours(kind):
     assert (found[:, 0] == torch.arange(200)).float().mean() > 0.95
 
 
+@needs_faiss
+def test_hnsw_with_half_its_entries_stale_recalls_as_well_as_a_fresh_index():
+    gen = torch.Generator().manual_seed(6)
+    db, q = torch.randn(4000, 32, generator=gen), torch.randn(200, 32, generator=gen)
+    spec = IndexSpec(kind="hnsw", ef_search=16)
+    index, fresh = VectorIndex(32, spec), VectorIndex(32, spec)
+    for part in db.split(250):
+        index.add(part)
+        index.keep_last(2000)
+    assert index._faiss.ntotal == 4000                     # 2000 stale: the most before a rebuild
+    fresh.add(db[2000:])
+    truth = brute(db[2000:], q, 10, "l2")
+    recall = [sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(i.search(q, 10)[1], truth)) / truth.numel()
+              for i in (index, fresh)]
+    assert recall[0] >= recall[1] - 0.02
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("faiss", marks=needs_faiss)])
 def test_keep_last_evicts_the_oldest_and_renumbers(backend):
     gen = torch.Generator().manual_seed(3)
@@ -80,6 +97,26 @@ def test_keep_last_evicts_the_oldest_and_renumbers(backend):
     assert len(index) == 30 and torch.equal(index.vectors(), db[70:])
     assert index.search(db[70:75], 1)[1][:, 0].tolist() == [0, 1, 2, 3, 4]
     assert torch.equal(index.search(db[:5], 1)[1], brute(db[70:], db[:5], 1, "l2"))
+
+
+@needs_faiss
+@pytest.mark.parametrize("spec", [IndexSpec(backend="faiss"), IndexSpec(kind="hnsw", ef_search=256),
+                                  IndexSpec(kind="ivf", train_size=160, nlist=4, nprobe=4)])
+def test_a_sliding_window_of_evictions_stays_exact_with_bounded_storage(spec):
+    """Evicted vectors stay in the faiss index, skipped by search, until they outnumber the live ones."""
+    gen = torch.Generator().manual_seed(5)
+    db, q = torch.randn(1200, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    index, window = VectorIndex(8, spec), 200
+    for end in range(40, 1201, 40):
+        index.add(db[end - 40:end])
+        index.keep_last(window)
+        live = db[max(0, end - window):end]
+        assert len(index) == live.shape[0] and torch.equal(index.vectors(), live)
+        assert torch.equal(index.search(q, 5)[1], brute(live, q, 5, "l2"))
+        assert index._faiss is None or index._faiss.ntotal <= 2 * window    # an IVF held in torch until 160
+    assert index._faiss is not None
+    again = VectorIndex.from_state(8, spec, index.state())
+    assert torch.equal(again.search(q, 5)[1], index.search(q, 5)[1]) and torch.equal(again.vectors(), live)
 
 
 @pytest.mark.parametrize("spec", [IndexSpec(), pytest.param(IndexSpec(kind="hnsw"), marks=needs_faiss),

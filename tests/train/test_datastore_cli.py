@@ -47,7 +47,10 @@ def test_datastore_then_eval_and_generate_with_it(trained, tmp_path, cli):
     assert got["perplexity"] < 0.5 * got["lm_perplexity"]          # the datastore holds this very text
     code, out, err = cli("eval", "--run", run, "--knn", store, "--knn-lambda", "0.25", "--knn-k", "16")
     assert code == 0, err
-    assert "validation split (every token)" in err and scores(out)["perplexity"] < scores(out)["lm_perplexity"]
+    assert "every window, of the run's validation split" in err and "compare loss with lm_loss" in err
+    assert scores(out)["perplexity"] < scores(out)["lm_perplexity"]
+    code, _, err = cli("eval", "--run", run, "--knn", store, "--knn-k", "16", "--batches", "1")
+    assert code == 0 and "the first 1 batches of windows" in err, err
     code, out, err = cli("generate", "--run", run, "--knn", store, "--prompt", "the cat", "--max-new-tokens", "20",
                          "--temperature", "0")
     assert code == 0, err
@@ -70,7 +73,7 @@ def test_refusals_name_the_problem_and_change_nothing(trained, tmp_path, corpus,
     code, _, err = cli("generate", "--run", other, "--knn", store, "--max-new-tokens", "3")
     assert code == 2 and "another model" in err
     for flags, name in ((["--knn-lambda", "1.5"], "--knn-lambda must be in [0, 1]"),
-                        (["--knn-k", "0"], "--knn-k must be a positive integer"),
+                        (["--knn-k", "0"], "--knn-k must be an integer >= 1"),
                         (["--knn-temperature", "0"], "--knn-temperature must be a positive number")):
         code, _, err = cli("eval", "--run", run, "--knn", store, *flags)
         assert code == 2 and name in err, err
@@ -82,6 +85,8 @@ def test_refusals_name_the_problem_and_change_nothing(trained, tmp_path, corpus,
     assert {p.name: p.read_bytes() for p in store.iterdir()} == before
     code, _, err = cli("datastore", "--run", run, "--out", tmp_path / "bad", "--stride", "0")
     assert code == 2 and "--stride" in err and not (tmp_path / "bad").exists()
+    code, _, err = cli("datastore", "--run", run, "--out", tmp_path / "bad", "--nprobe", "16")
+    assert code == 2 and "--nprobe" in err and "--index ivf" in err and not (tmp_path / "bad").exists()
     keys = store / "keys.safetensors"
     keys.write_bytes(keys.read_bytes()[:-7])
     code, _, err = cli("eval", "--run", run, "--knn", store)
@@ -100,3 +105,6 @@ def test_datastore_defaults_to_the_training_split_with_an_approximate_index(trai
     code, out, err = cli("eval", "--run", run, "--knn", store, "--knn-k", "8")
     assert code == 0, err
     assert math.isfinite(scores(out)["loss"])
+    code, _, err = cli("datastore", "--run", run, "--out", tmp_path / "ivf-ds", "--index", "ivf", "--nprobe", "16")
+    assert code == 0, err
+    assert json.loads((tmp_path / "ivf-ds" / "meta.json").read_text())["index"]["nprobe"] == 16

@@ -42,8 +42,7 @@ class Infini(nn.Module):
     @staticmethod
     def check(options: InfiniOptions, cfg: LayersConfig) -> list[str]:
         found = checks.whole(options.segment, "attn_infini_segment")
-        if not isinstance(options.delta, bool):
-            found.append(f"attn_infini_delta must be True or False, got {options.delta!r}")
+        found += checks.flag(options.delta, "attn_infini_delta")
         return found
 
     def forward(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,

@@ -18,8 +18,10 @@ one softmax with a per-(query, block) gate added to the earlier blocks' scores, 
 At inference (the module not training) with `topk` = k, each query (and head) keeps only the k earlier
 blocks of highest landmark score s_t,L(k): the sums above run over those blocks' landmarks and tokens alone,
 so with k covering every block it is the full grouped softmax. A decode step reads the landmark keys, then
-only the chosen blocks' keys and its own block's (`retrieve`); a forward of many queries, or keys with
-padding or positions not 0 .. j-1, computes the same weights from the full score matrix (`grouped`).
+only the chosen blocks' keys and its own block's (`retrieve`); a forward of many queries over keys at
+positions 0 .. j-1 weighs each earlier block's fused softmax attention by the softmax of the landmark gates and
+the own block's scores (`blockwise`, no (i, j) scores); keys with padding or other positions, and return_attn,
+compute the weights from the full score matrix (`grouped`, the reference).
 
 Positions: keys are rotated at their true positions before they are cached, as everywhere in polyformer,
 so a retrieved block keeps its distance to the query (the paper instead re-places retrieved blocks just
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import checks
@@ -88,8 +91,10 @@ class Landmark(nn.Module):
         if kv.free or kv.pos is None:
             raise ValueError("landmark_block needs every key at a position (no memory key / values)")
         dtype = q.dtype
-        if not need_weights and self.retrieving and self._laid_out(kv, q.shape[2]):
-            return AttnOut(self.retrieve(upcast(q), kv, q_pos).to(dtype))
+        few = q.shape[2] <= self.block + 1                    # a decode step: the scores are (few, j) anyway
+        if not need_weights and (self.retrieving or not few) and self._laid_out(kv, q_pos):
+            run = self.retrieve if few else self.blockwise
+            return AttnOut(run(upcast(q), kv, q_pos).to(dtype))
         if need_weights:
             out, weights = self.grouped(upcast(q), kv, q_pos)
             return AttnOut(out.to(dtype), weights=weights.to(dtype))
@@ -98,12 +103,13 @@ class Landmark(nn.Module):
         parts = [self.grouped(upcast(q[:, :, a:a + step]), kv, q_pos[:, a:a + step])[0] for a in range(0, i, step)]
         return AttnOut(torch.cat(parts, 2).to(dtype))
 
-    def _laid_out(self, kv: KV, i: int) -> bool:
-        """Whether a decode step may read blocks by slot: no padding, keys at positions 0 .. j - 1, a few queries."""
-        j = kv.k.shape[2]
-        if kv.mask is not None or i > self.block + 1 or checks.values_hidden():
+    def _laid_out(self, kv: KV, q_pos: Tensor) -> bool:
+        """Whether blocks may be read by slot: no padding, keys at positions 0 .. j - 1, queries the last i."""
+        j, i = kv.k.shape[2], q_pos.shape[-1]
+        if kv.mask is not None or checks.values_hidden():
             return False
-        return bool((kv.pos == torch.arange(j, device=kv.pos.device)).all())
+        slots = torch.arange(j, device=kv.pos.device)
+        return bool((kv.pos == slots).all() & (q_pos == slots[j - i:]).all())
 
     def gates(self, scores: Tensor, kv: KV, q_pos: Tensor) -> tuple[Tensor, Tensor]:
         """The grouped softmax's logits (b, h, i, j) from scores s (b, h, i, j): s on the current block, s plus
@@ -144,6 +150,46 @@ class Landmark(nn.Module):
             weights = torch.softmax(logits, dim=-1) * counted     # a query that sees nothing gets 0, not NaN
         out = torch.einsum("bhij,bhjd->bhid", self.dropout(weights).to(v.dtype), v)
         return out, weights
+
+    def blockwise(self, q: Tensor, kv: KV, q_pos: Tensor) -> Tensor:
+        """The grouped softmax of the last i keys' queries over keys at slots 0 .. j - 1, without (i, j) scores:
+        a_tj = σ_tj σ_t,L(p_j) is each earlier block's softmax attention (fused) weighed by the softmax of the
+        landmark gates together with the query's own block's scores. out (b, h, i, dv)."""
+        b, h, i, d = q.shape
+        j, size, stride = kv.k.shape[2], self.block, self.block + 1
+        k, v = upcast(match_heads(kv.k, h)), upcast(match_heads(kv.v, h))
+        first, earlier = (j - i) // stride, (j - 1) // stride     # the first query's block; complete blocks before
+        offset, own_blocks = j - i - first * stride, earlier + 1 - first
+        slot = torch.arange(stride, device=q.device)
+        own = (slot[None, :] <= slot[:, None]) & (slot != size)   # (B, B): causal in the block, no own landmark
+
+        def blocked(x: Tensor, lead: int) -> Tensor:           # (b, h, n, e) -> (b, h, own_blocks, B, e)
+            return F.pad(x, (0, 0, lead, own_blocks * stride - lead - x.shape[2])).unflatten(2, (own_blocks, stride))
+
+        with torch.autocast(q.device.type, enabled=False):
+            scores = torch.einsum("bhgtd,bhgud->bhgtu", blocked(q, offset), blocked(k[:, :, first * stride:], 0))
+            logits = (scores * self.scale).masked_fill(~own, HIDDEN).flatten(2, 3)[:, :, offset:offset + i]
+            if earlier:                                        # (b, h, G, B, d) views of the complete blocks
+                k_blocks = k[:, :, :earlier * stride].unflatten(2, (earlier, stride))
+                v_blocks = v[:, :, :earlier * stride].unflatten(2, (earlier, stride))
+                gate = torch.einsum("bhid,bhgd->bhig", q, k_blocks[:, :, :, size]) * self.scale   # (b, h, i, G)
+                before = torch.arange(earlier, device=q.device) < (torch.arange(j - i, j, device=q.device)
+                                                                   // stride)[:, None]
+                if self.retrieving and earlier > self.topk:
+                    chosen = gate.masked_fill(~before, float("-inf")).topk(self.topk, dim=-1).indices
+                    before = before & torch.zeros_like(gate, dtype=torch.bool).scatter(-1, chosen, True)
+                logits = torch.cat((logits, gate.masked_fill(~before, HIDDEN)), -1)
+            weights = torch.softmax(logits, dim=-1)
+            out = blocked(self.dropout(weights[..., :stride]), offset) @ blocked(v[:, :, first * stride:], 0)
+            out = out.flatten(2, 3)[:, :, offset:offset + i]
+            if earlier:
+                # each earlier block's own softmax attention, for every query (those after it are weighed 0)
+                p = self.dropout.p if self.training else 0.0
+                blocks = F.scaled_dot_product_attention(        # 4-d: the fused kernel
+                    q[:, :, None].expand(-1, -1, earlier, -1, -1).flatten(0, 1), k_blocks[..., :size, :].flatten(0, 1),
+                    v_blocks[..., :size, :].flatten(0, 1), dropout_p=p, scale=self.scale).unflatten(0, (b, h))
+                out = out + (weights[..., stride:].transpose(-1, -2)[..., None] * blocks).sum(2)
+        return out
 
     def retrieve(self, q: Tensor, kv: KV, q_pos: Tensor) -> Tensor:
         """A decode step over keys at slots 0 .. j - 1: the landmark keys, then only the top-k blocks' keys per

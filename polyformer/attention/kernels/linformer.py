@@ -51,8 +51,7 @@ class Linformer(nn.Module):
         found = []
         for name, value in (("k", options.k), ("seq_len", options.seq_len)):
             found += checks.whole(value, f"attn_linformer_{name}")
-        if not isinstance(options.share_kv, bool):
-            found.append(f"attn_linformer_share_kv must be True or False, got {options.share_kv!r}")
+        found += checks.flag(options.share_kv, "attn_linformer_share_kv")
         return found
 
     def forward(self, q: Tensor, kv: KV, *, q_pos: Tensor, causal: bool, memory: object | None,

@@ -96,8 +96,7 @@ class Lsh(nn.Module):
         if o.seed is not None and (not isinstance(o.seed, int) or isinstance(o.seed, bool)):
             found.append(f"attn_lsh_seed must be an integer or None, got {o.seed!r}")
         for name, value in (("attn_lsh_global_sort", o.global_sort), ("attn_shared_qk", o.shared_qk)):
-            if not isinstance(value, bool):
-                found.append(f"{name} must be True or False, got {value!r}")
+            found += checks.flag(value, name)
         if cfg.causal and o.n_buckets is None:
             found.append("attn_lsh in a Decoder (causal=True) needs attn_lsh_n_buckets: buckets that follow the length "
                          "would change as decoding goes on (about 2 * the longest length / attn_lsh_bucket_size, even)")
