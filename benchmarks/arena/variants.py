@@ -27,6 +27,7 @@ class Variant:
     encoder_only: bool = False                                # cannot run in a Decoder
     min_len: int = 0                                          # the shortest input it takes
     min_depth: int = 1                                        # the fewest layers it builds with (a chosen layer)
+    runner: str = ""                                          # a task's own procedure for it (long_text: retrieval)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tasks) - set(TASK_NAMES))
@@ -53,11 +54,19 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             layers=dict(rotary_pos_emb=True, attn_use_entmax15=True), tasks=()),
     # --- positions ---------------------------------------------------------------------------
     Variant("abs_learned", "learned absolute positions (one vector per position)", "arXiv:1706.03762",
-            wrapper=dict(use_abs_pos_emb=True), tasks=POSITIONS + ("mqar",)),   # Zoology's models have them
+            wrapper=dict(use_abs_pos_emb=True), tasks=POSITIONS),   # mqar gives every row learned positions
     Variant("sinusoidal", "fixed sinusoidal absolute positions, scaled by a learned scalar",
             "arXiv:1706.03762", wrapper=dict(scaled_sinu_pos_emb=True), tasks=POSITIONS),
     Variant("rotary", "rotary position embedding on q and k", "arXiv:2104.09864",
             layers=dict(rotary_pos_emb=True), tasks=POSITIONS),
+    Variant("rotary_dynamic_ntk", "rotary trained at 128; past 128 tokens dynamic NTK scaling raises the base with "
+            "the length (factor 8, Hugging Face's rope_type 'dynamic')", "arXiv:2309.00071",
+            layers=dict(rotary_pos_emb=True, rotary_dynamic_ntk=(8, 128)), tasks=POSITIONS),
+    Variant("rotary_yarn", "rotary with YaRN's frequencies and attention temperature for factor 8 over 128 tokens, "
+            "trained with them", "arXiv:2309.00071",
+            layers=dict(rotary_pos_emb=True, rotary_yarn=(8, 128)), tasks=POSITIONS),
+    Variant("rotary_interpolation", "rotary with positions divided by 8 (position interpolation), trained with them",
+            "arXiv:2306.15595", layers=dict(rotary_pos_emb=True, rotary_interpolation_factor=8), tasks=POSITIONS),
     Variant("alibi", "ALiBi: a linear distance penalty per head", "arXiv:2108.12409",
             layers=dict(alibi_pos_emb=True), tasks=POSITIONS),
     Variant("t5_bias", "T5's learned bucketed relative bias", "arXiv:1910.10683",
@@ -172,6 +181,23 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("xl_shaw", "Shaw et al.'s clipped relative distances (±16) with the XL memory of the previous segment",
             "arXiv:1803.02155, 1901.02860", layers=dict(rel_pos_shaw=16),
             wrapper=dict(max_mem_len=128, use_abs_pos_emb=False), tasks=("long_text",), causal_only=True),
+    Variant("xl_alibi", "ALiBi's distance penalties with the XL memory of the previous segment",
+            "arXiv:2108.12409, 1901.02860", layers=dict(alibi_pos_emb=True),
+            wrapper=dict(max_mem_len=128, use_abs_pos_emb=False), tasks=("long_text",), causal_only=True),
+    Variant("xl_t5", "T5's learned bucketed relative bias with the XL memory of the previous segment",
+            "arXiv:1910.10683, 1901.02860", layers=dict(rel_pos_bias=True),
+            wrapper=dict(max_mem_len=128, use_abs_pos_emb=False), tasks=("long_text",), causal_only=True),
+    Variant("xl_distance_aware", "DA-Transformer's distance-weighted ReLU scores with the XL memory of the previous "
+            "segment", "arXiv:2010.06925, 1901.02860", layers=dict(attn_distance_aware=True),
+            wrapper=dict(max_mem_len=128, use_abs_pos_emb=False), tasks=("long_text",), causal_only=True),
+    Variant("spalm", "SPALM: the XL row's model (tied embedding) trained half the budget, then with a datastore of "
+            "the text read so far (keyed by a frozen copy), each position's 4 nearest entries' next bytes embedded, "
+            "attended with the last state and gated in", "arXiv:2102.02557",
+            layers=dict(rotary_pos_emb=True), wrapper=dict(max_mem_len=128, tie_embedding=True),
+            tasks=("long_text",), causal_only=True, runner="spalm"),
+    Variant("knn_lm", "kNN-LM: the no_memory row's model; then a datastore on text of another kind (the stdlib's "
+            ".txt / .rst / .html files) and p = λ p_kNN + (1 - λ) p_LM on other such files (domain adaptation)", "arXiv:1911.00172",
+            layers=dict(rotary_pos_emb=True), tasks=("long_text",), causal_only=True, runner="knn_lm"),
     Variant("memorizing", "Memorizing Transformer: block 1 also attends to its top 32 of a kNN memory of the last "
             "2048 keys / values per stream (exact search), gated per head; with the XL memory of 128",
             "arXiv:2203.08913", layers=dict(rotary_pos_emb=True, knn_memory_layers=(1,), knn_memory_size=2048,
@@ -206,6 +232,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("hourglass", "Hourglass: the middle layers on the sequence shortened 3x (shift by 2, linear pooling), "
             "linear upsampling plus the residual; depth split evenly (4: 1@1, 2@3, 1@1)", "arXiv:2110.13711",
             layers=dict(rotary_pos_emb=True, hourglass=3), tasks=("long_text",)),
+    Variant("early_exit", "CALM early exit: every layer may exit (softmax-margin confidence, threshold 0.9), trained "
+            "on the layer-weighted average of the exit losses; no XL memory (as `no_memory`); speed / quality "
+            "curve over thresholds", "arXiv:2207.07061, 1910.10073",
+            layers=dict(rotary_pos_emb=True, exit_layers=True, exit_confidence="softmax_margin", exit_threshold=0.9),
+            tasks=("long_text",), causal_only=True, min_depth=2),
 ]}
 
 

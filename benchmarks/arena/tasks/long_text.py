@@ -12,6 +12,12 @@ stopping at the segment boundary). The loss by position inside a segment shows w
 helps: the first positions of a segment have no context without one. (The validation split's
 longest files are English documentation and character-map tables, unlike the code the model
 trains on; a held-out stretch of the same documents measures what a memory adds, not the shift.)
+
+Adaptive computation (issue 22): a model with exit layers trains on CALM's weighted average of its exit
+layers' losses (`polyformer.early_exit.next_token_loss`) instead of the cross-entropy, and after training gets
+its speed / quality curve (exit_curve.py, a section of the table and long_text_exit.png); every row records
+the compute its adaptive mechanisms used (compute.py: learned spans, plotted in long_text_spans.png, ACT's
+steps, early exit's layers per generated token) beside its time per training step.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from polyformer.attention.knn_memory import clear_knn_memories
+from polyformer.early_exit import next_token_loss, policy_of
 from polyformer.losses import AuxLosses, forward_with_losses, with_aux
 from polyformer.memory.memories import Memories
 
-from .. import record
+from .. import compute, record
 from ..data import text
 from ..harness import Budget, Optimiser, with_changes, build_model, parameters, run_rows, train
 from ..variants import Variant
+from . import exit_curve, retrieval
 
 DESCRIPTION = "byte LM on the longest files in segments of 128, with memories against none (Transformer-XL)"
 DEFAULT_BUDGET = "2M"
@@ -63,11 +71,13 @@ class Reader:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, streams: Tensor, segment: int, warm: int) -> Tensor:
+def evaluate(model: nn.Module, streams: Tensor, segment: int, warm: int,
+             read: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """(segment,) mean loss at each position of a segment over every segment of the streams (b, N),
-    after the first `warm` tokens (a multiple of the segment) were read unscored."""
+    after the first `warm` tokens (a multiple of the segment) were read unscored; `read` gives a
+    segment's logits (default: `Reader(model)`)."""
     clear_knn_memories(model)           # a kNN memory (knn_memory_layers) holds the training text: start empty
-    read = Reader(model)
+    read = read if read is not None else Reader(model)
     for start in range(0, warm, segment):
         read(streams[:, start:start + segment])
     total, count = torch.zeros(segment), 0
@@ -92,26 +102,50 @@ def documents(s: dict[str, Any]) -> tuple[Tensor, Tensor]:
 
 
 def run_variant(v: Variant, s: dict[str, Any], budget: Budget, train_text: Tensor, eval_streams: Tensor,
-                log: Callable[[str], None]) -> dict[str, Any]:
+                log: Callable[[str], None], quick: bool = False) -> dict[str, Any]:
     n = s["segment"]
+    if v.runner == "spalm":
+        row = retrieval.spalm_row(v, s, budget, train_text, eval_streams, evaluate, log, quick)
+        held_out = scored(row.pop("per_pos"), s, log)
+        return {**row, **held_out, "compute": {}, "objective": "cross-entropy"}
     model = build_model(v, num_tokens=text.VOCAB, max_seq_len=n, dim=s["dim"], depth=s["depth"],
                         heads=s["heads"], causal=True, seed=s["seed"])
     read = Reader(model)
     span = len(train_text) // s["batch"]
     offsets = torch.arange(s["batch"]) * span
 
+    exits = policy_of(model) is not None
+
     def step_loss(step: int) -> tuple[Tensor, int]:
         seg = text.slices(train_text, (offsets + step * n) % (len(train_text) - n - 1), n + 1)
+        weighted = next_token_loss(model, seg[:, :-1], seg[:, 1:]) if exits else None     # CALM's, with aux losses
+        if weighted is not None:
+            return weighted[0], seg[:, 1:].numel()
         return with_aux(F.cross_entropy(read(seg[:, :-1]).transpose(1, 2), seg[:, 1:]), read.aux), seg[:, 1:].numel()
 
     trained = train(model, step_loss, budget, Optimiser(lr=s["lr"]), log=log)
+    used = compute.compute_used(model)           # ACT's numbers: the last training forward's
     per_pos = evaluate(model, eval_streams, n, s["warm_tokens"])
-    loss = float(per_pos.mean())
-    log(f"  held-out loss {loss:.4f} nats/byte ({loss / 0.6931:.3f} bits/byte)")
     cmem = getattr(model, "compressive", None)        # states kept per layer: XL memory plus compressed memory
     kept = getattr(model, "max_mem_len", 0) + (cmem.max_cmem_len if cmem is not None else 0)
-    return {"parameters": parameters(model), "memory_len": kept,
-            "train": trained.to_json(), "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
+    extra: dict[str, Any] = {}
+    if exits:
+        curve, gens = exit_curve.measure(model, eval_streams, n, s["warm_tokens"],
+                                         exit_curve.QUICK if quick else exit_curve.FULL, log)
+        used = {**used, "exit": compute.compute_used(model, gens.get(policy_of(model)[1].threshold))["exit"]}
+        extra["exit_curve"] = curve
+    if v.runner == "knn_lm":
+        extra["knn_lm"] = retrieval.knn_domain(model, quick, log)
+    return {"parameters": parameters(model), "memory_len": kept, "compute": used,
+            "objective": "CALM weighted exit loss" if exits else "cross-entropy", **extra,
+            "train": trained.to_json(), **scored(per_pos, s, log)}
+
+
+def scored(per_pos: Tensor, s: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """A row's held-out figures from its mean loss by position (segment,)."""
+    loss = float(per_pos.mean())
+    log(f"  held-out loss {loss:.4f} nats/byte ({loss / 0.6931:.3f} bits/byte)")
+    return {"loss": loss, "bits_per_byte": loss / 0.6931471805599453,
             "loss_by_position": per_pos.view(-1, s["bin_width"]).mean(1).tolist()}
 
 
@@ -134,7 +168,24 @@ def markdown(rec: dict[str, Any]) -> str:
             f"segment by segment, after the {s['warm_tokens']} bytes before them were read unscored (nats per "
             f"byte).\n\n"
             + markdown_table(["variant", "memory", "loss", "bits/byte", f"loss, positions < {half}",
-                              f"loss, positions >= {half}", "params", "tok/s (train)", "step memory MiB"], rows))
+                              f"loss, positions >= {half}", "params", "tok/s (train)", "step memory MiB"], rows)
+            + objectives(rec) + compute.markdown(rec, reference) + exit_curve.markdown(rec) + retrieval.markdown(rec))
+
+
+def reference(row: dict[str, Any]) -> str:
+    """The row without adaptive mechanisms to time a row against: the same memory (XL's 128 states or none)."""
+    return "xl" if row.get("memory_len") else "no_memory"
+
+
+def objectives(rec: dict[str, Any]) -> str:
+    """A note naming the rows trained on another loss than the cross-entropy ('' when none is)."""
+    other = {k: r["objective"] for k, r in rec["rows"].items()
+             if r.get("objective", "cross-entropy") != "cross-entropy"}
+    if not other:
+        return ""
+    return ("\n\nTrained on another loss than the next-token cross-entropy: "
+            + ", ".join(f"`{k}` ({o})" for k, o in other.items())
+            + "; their loss above is still the full model's (every layer), in evaluation mode.")
 
 
 def plot(rec: dict[str, Any], out_dir: Path) -> list[str]:
@@ -150,7 +201,8 @@ def plot(rec: dict[str, Any], out_dir: Path) -> list[str]:
     ax.set_ylabel("held-out loss (nats / byte)")
     ax.set_title(f"segments of {s['segment']}")
     ax.legend(fontsize=8)
-    return save_figure(fig, out_dir, "long_text.png")
+    return (save_figure(fig, out_dir, "long_text.png") + exit_curve.plot(rec, out_dir, "long_text_exit.png")
+            + compute.plot_spans(rec, out_dir, "long_text_spans.png"))
 
 
 def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick: bool, seed: int,
@@ -158,5 +210,6 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     budget = budget or Budget.parse("2k" if quick else DEFAULT_BUDGET)
     s = settings(quick, budget, seed, changes)
     train_text, eval_streams = documents(s)
-    rows = run_rows("long_text", variants, lambda v: run_variant(v, s, budget, train_text, eval_streams, log), log)
+    rows = run_rows("long_text", variants,
+                    lambda v: run_variant(v, s, budget, train_text, eval_streams, log, quick), log)
     return record.save(out_dir, "long_text", s, rows, markdown, plot)
