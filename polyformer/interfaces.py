@@ -108,6 +108,8 @@ class Context:
     prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at positions in [start, end), (b, 1) each, seen by all
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
+    carried: dict | None = None             # by self-attention block, a memory crossing forward calls that its
+                                            # kernel continues and rewrites (memory/infini_carry.py)
     memo: dict = field(default_factory=dict)
     losses: AuxLosses = field(default_factory=lambda: AuxLosses())   # blocks report auxiliary losses here
 

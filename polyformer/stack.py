@@ -24,6 +24,7 @@ from .moe.layer import feedforward as moe_feedforward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
 from .losses import AuxLosses
+from .memory.window_state import window_state
 from .memory.kv_cache import DecodeState
 from .registry import KERNEL, MIXER, NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
@@ -128,6 +129,7 @@ class AttentionLayers(nn.Module):
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
         knn_clear: (b,) bool, with knn_memory_layers: clear these rows' kNN memories first (a new document).
+        carried: by self-attention block, memories that cross forward calls (memory/infini_carry.py).
     """
 
     fixed: dict[str, Any] = {}
@@ -223,7 +225,7 @@ class AttentionLayers(nn.Module):
         position; 0, 1, ... otherwise."""
         steps = torch.arange(n, device=device)[None]
         if state is not None and state.length:
-            return state.pos[:, state.length - 1: state.length] + 1 + steps
+            return state.last_positions() + 1 + steps
         m = mems[0].shape[1] if mems else 0
         return steps + m
 
@@ -243,6 +245,8 @@ class AttentionLayers(nn.Module):
         if self.hourglass is not None:      # a state per resolution (memory/hourglass_state.py)
             return self.hourglass.new_state(self, batch, max_len, heads, dtype or param.dtype, device or param.device,
                                             history)
+        if self.window is not None:         # a ring of the window, whatever max_len asks (memory/window_state.py)
+            return window_state(self, batch, heads, dtype or param.dtype, device or param.device, history)
         return DecodeState(self.num_self_attn, batch, max_len, *heads, dtype=dtype or param.dtype,
                            device=device or param.device, kinds=kinds, history=history)
 
@@ -292,7 +296,8 @@ class AttentionLayers(nn.Module):
                 state: DecodeState | None = None, prefix: int = 0,
                 prefix_len: Tensor | int | None = None, return_attn: bool = False,
                 return_intermediates: bool = False, global_mask: Tensor | None = None,
-                knn_clear: Tensor | None = None) -> Tensor | tuple[Tensor, Intermediates]:
+                knn_clear: Tensor | None = None, carried: dict | None = None
+                ) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if global_mask is not None:
             checks.global_mask(self, global_mask, x)
@@ -315,7 +320,7 @@ class AttentionLayers(nn.Module):
                       mems=mems, mem_masks=mem_masks, need_weights=return_attn, prefix_span=prefix_span,
                       global_mask=global_mask,
                       shift_mask=shift_mask,
-                      state=state)
+                      state=state, carried=carried)
         knn_memory.begin(self, knn_clear, x, state is not None)
         if state is not None:
             state.begin(pos, mask, prefix)

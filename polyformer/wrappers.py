@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from . import checks, landmark
 from .embedding import AxialPositions, ExtraEmbeddings, LearnedPositions, MemoryTokens, PatchEmbedding, TokenEmbedding
 from .keywords import checked_keywords
-from .memory import memories
+from .memory import infini_carry, memories
 from .memory.kv_cache import DecodeState
 from .position import wrapper_positions
 from .registry import NORM
@@ -84,8 +84,9 @@ class SequenceWrapper(nn.Module):
                                  f"{tuple(pos.shape)} {pos.dtype}")
         if mems is not None and not isinstance(mems, (list, tuple, memories.Memories)):
             raise ValueError(f"mems must be a list of tensors (one per self-attention block), got {type(mems).__name__}")
-        if (mems is not None or return_mems) and not self.max_mem_len:
-            raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0")
+        if (mems is not None or return_mems) and not infini_carry.carries(self):
+            raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0 "
+                             "(or attn_infini blocks, not in a universal / hourglass stack)")
         if return_mems and return_attn:
             raise ValueError("return_mems and return_attn cannot both be set: use return_intermediates=True")
         if state is not None and (mems is not None or return_mems):
@@ -120,6 +121,7 @@ class SequenceWrapper(nn.Module):
              knn_clear: Tensor | None = None
              ) -> tuple[Tensor, Intermediates | None, list[Tensor] | memories.Memories | None]:
         seen, seen_masks = memories.attended(self, mems, mem_masks)     # [compressed, XL] memory, shift_mem_down
+        carried = infini_carry.begin(self, mems, need_record and state is None, h.shape[0])   # Infini memories
         h, mask, pos, slots = landmark.insert(self.landmarks, h, mask, pos, state, self.attn_layers)
         tok_pos = wrapper_positions.token_positions(self, h, pos, state)
         h = self.add_positions(h, tok_pos)
@@ -136,15 +138,15 @@ class SequenceWrapper(nn.Module):
                                mem_masks=seen_masks, pos=stack_pos, state=state,
                                prefix=self.num_memory_tokens if prefix else 0, prefix_len=prefix_len,
                                global_mask=global_mask, return_attn=return_attn,
-                               return_intermediates=need_record, knn_clear=knn_clear)
+                               return_intermediates=need_record, knn_clear=knn_clear, carried=carried)
         record = None
         if need_record:
             out, record = out
         if prefix:
             out = out[:, self.num_memory_tokens:]
         new_mems = None
-        if self.max_mem_len and record is not None:
-            new_mems = memories.update(self, mems, mem_masks, seen, record, mask)
+        if (self.max_mem_len or carried is not None) and record is not None:
+            new_mems = memories.update(self, mems, mem_masks, seen, record, mask, carried)
         return landmark.remove(out, slots), record, new_mems
 
     def _finish(self, out: Tensor, record: Intermediates | None, new_mems: list[Tensor] | None,

@@ -127,7 +127,7 @@ def test_windows_of_two_spans_slide_a_state_that_keeps_the_longer():
     assert model.attn_layers.window == (0, 6)
     ar = AutoregressiveWrapper(model)
     prompts = ids(1, 4)
-    cached = ar.generate(prompts, 40, temperature=0.0)             # a state of 6 + 16 positions, slid
+    cached = ar.generate(prompts, 40, temperature=0.0)             # a ring of 6 slots per layer
     assert torch.equal(cached, ar.generate(prompts, 40, temperature=0.0, cache_kv=False))
     assert len(set(cached.flatten().tolist())) > 3
 

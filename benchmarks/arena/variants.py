@@ -213,8 +213,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "arXiv:2305.16300", layers=dict(rotary_pos_emb=True, landmark_block=16, landmark_topk=2),
             tasks=("long_text",), causal_only=True),
     Variant("infini", "Infini-attention: causal softmax attention inside segments of 32 and a compressive memory "
-            "(d x d per head, linear rule) of the earlier segments of the same 128-token forward, gated per head; "
-            "no XL memory (the compressive memory does not yet cross the task's forwards)", "arXiv:2404.07143",
+            "(d x d per head, linear rule) of every earlier segment, carried from forward to forward (detached at "
+            "the boundary; rotary positions restart per 128-token forward), gated per head; no XL memory",
+            "arXiv:2404.07143",
             layers=dict(rotary_pos_emb=True, attn_infini=True, attn_infini_segment=32), tasks=("long_text",),
             causal_only=True),
     # --- mixture of experts: `no_memory` is the dense row of equal active parameters ------------

@@ -99,6 +99,8 @@ class Attention(nn.Module):
                 memory = ctx.state.recurrent(self.layer)          # a fixed-size summary of earlier keys
             else:
                 kv = ctx.state.attend(self.layer, kv)             # every key so far, written in place
+        elif ctx.carried is not None and not self.cross:
+            memory = ctx.carried.get(self.layer)                  # a memory from the forward before (its summary)
         if self.memory_kv is not None:
             kv = self.memory_kv(kv)
         if self.direct:

@@ -203,13 +203,13 @@ class AutoregressiveWrapper(nn.Module):
 
     def feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
         """Run new tokens x (b, n) against the state (through `net`, a callable like the model, when
-        given); slide the window first when a relative-position model's state is full. A windowed model's state holds its window alone: a prompt longer
-        than the room runs in chunks, exactly, since no query can see past the window."""
+        given); slide the window first when a relative-position model's state is full. A windowed
+        model's state is a ring of its window (memory/window_state.py): it never fills."""
         room = state.max_len - state.length
-        window = self.net.attn_layers.window
-        if x.shape[1] > room and not self.net.bounded and window is not None:
-            return self._feed_window(x, state, net, window, **kwargs)
         if x.shape[1] > room and not self.net.bounded:
+            if self.net.attn_layers.window is not None:
+                raise ValueError("a windowed model decodes on the ring state its new_state makes, not on a state "
+                                 f"of {state.max_len} positions")
             keep = self.net.num_memory_tokens
             window = state.max_len - keep
             if x.shape[1] > window:
@@ -217,39 +217,14 @@ class AutoregressiveWrapper(nn.Module):
             state.slide(max(x.shape[1] - room, window // 4), keep=keep)
         return (net if net is not None else self.net)(x, state=state, **kwargs)
 
-    def _feed_window(self, x: Tensor, state: DecodeState, net: Callable | None, window: tuple[int, int],
-                     **kwargs) -> Tensor:
-        """Feed x in chunks that fit, sliding out before each every key the window can no longer
-        show; memory tokens and sinks stay."""
-        sinks, span = window
-        out, start = None, 0
-        while start < x.shape[1]:
-            if state.length == state.max_len or state.max_len - state.length < x.shape[1] - start:
-                keep = self.net.num_memory_tokens
-                if sinks and state.length > keep:
-                    sink = (state.pos[:, keep: state.length] < sinks).any(0).nonzero()
-                    keep += int(sink[-1]) + 1 if len(sink) else 0
-                state.slide(max(state.length - keep - (span - 1), 0), keep=keep)
-            size = min(state.max_len - state.length, x.shape[1] - start)
-            if size < 1:
-                raise ValueError(f"a decode state of {state.max_len} positions cannot hold this windowed model's "
-                                 f"sinks and {span} window positions; make it larger")
-            part = {k: (v[:, start: start + size] if k in ("mask", "pos") and v is not None else v)
-                    for k, v in kwargs.items()}
-            out = (net if net is not None else self.net)(x[:, start: start + size], state=state, **part)
-            start += size
-        return out
-
     def state_for(self, batch: int, prompt_len: int, seq_len: int) -> DecodeState:
         """A decode state for a prompt of prompt_len tokens and seq_len more: all of them, or for a
         model that slides (relative positions) at most max(prompt_len, max_seq_len), or for a
-        windowed one its sinks, its window and room to slide."""
+        windowed one a ring of its sinks and window alone (no rollback room)."""
+        if self.net.attn_layers.window is not None:
+            return self.net.new_state(batch, prompt_len + seq_len, history=0)
         length = prompt_len + seq_len
-        window = self.net.attn_layers.window
-        if window is not None and not self.net.bounded:
-            sinks, span = window
-            length = min(length, sinks + span + max(16, span // 4))
-        elif not self.net.bounded:
+        if not self.net.bounded:
             length = min(length, max(prompt_len, self.max_seq_len))
         return self.net.new_state(batch, length)
 

@@ -15,8 +15,11 @@ from .. import checks
 from ..early_exit import EarlyExit
 from ..interfaces import Context
 from ..memory.kv_cache import DecodeState
+from ..precision import upcast
 from ..wrappers import TransformerWrapper
+from . import plan
 from .decode import AutoregressiveWrapper, left_padded_positions, sample_steps
+from .exit_rows import ExitRows
 from .fast import FastStep
 from .sampling import Sampler
 
@@ -38,20 +41,50 @@ class ExitGeneration:
 
 
 class ExitStep(FastStep):
-    """The fast one-token step (fast.py) under the exit policy at `threshold`: the tuned blocks layer by layer
-    (no single call for the whole stack: tokens stop between layers), a skipped layer's keys / values written
-    from the exit state; `layers` (b, 1): where each row stopped on the last call. Equal to the module path
-    (`EarlyExit.decoding`) up to the fast step's float rounding."""
+    """The fast one-token step (fast.py) under the exit policy at `threshold`; `layers` (b, 1): where each row
+    stopped on the last call. Over the default plan's rows (`exit_rows.ExitRows`: one call per block, the
+    confidence on the row buffer, the skipped layers' keys / values through the plan's products) when the
+    step has one, else the tuned blocks layer by layer with a skipped layer's keys / values written from the
+    exit state. Threshold 1 runs the plain step: no confidence is above 1. Equal to the module path
+    (`EarlyExit.decoding`) up to the fast step's float rounding; when every row exits at one layer with
+    softmax_margin, the step's logits are the ones its confidence computed."""
 
     def __init__(self, net: TransformerWrapper, exits: EarlyExit, threshold: float):
         super().__init__(net, tuned=True)
-        self.rows = None
         self.exits, self.threshold, self.block_modules = exits, threshold, tuple(net.attn_layers.blocks)
+        self.walk_rows = ExitRows(self.rows, exits, plan.layout_for(net)) if self.rows is not None else None
+        self.exit_norm, self.exit_head = self.final_norm, self.head
+        if self.final_norm is not None:
+            self.final_norm = lambda h: h if self.exited is not None else self.exit_norm(h)
+        self.head = self._head
+        self.exited: Tensor | None = None       # this step's logits, made by its confidence
         self.layers: Tensor | None = None
+
+    def _head(self, f: Tensor) -> Tensor:
+        logits, self.exited = self.exited, None
+        return logits if logits is not None else self.exit_head(f)
 
     def run(self, h: Tensor, pos: Tensor, state: DecodeState, keep: Tensor | None, bias: Tensor | None,
             masks: Callable) -> Tensor:
-        exits, stack, prev = self.exits, self.net.attn_layers, [None]
+        exits, stack = self.exits, self.net.attn_layers
+        self.exited = None
+        if self.threshold >= 1:
+            self.layers = torch.full((h.shape[0], 1), exits.depth, dtype=torch.long, device=h.device)
+            return super().run(h, pos, state, keep, bias, masks)
+        if self.walk_rows is not None and self.rows.takes(h):
+            made: list[Tensor] = []
+
+            def confidence(x: Tensor, before: Tensor, layer: int) -> list[float]:
+                if exits.measure != "softmax_margin":
+                    return exits.confidence(stack, x, before, layer, self.exit_head).tolist()
+                made.append(self.exit_head(self.exit_norm(x) if self.exit_norm is not None else x))
+                return [p1 - p2 for p1, p2 in upcast(made[-1]).softmax(-1).topk(2, dim=-1).values.tolist()]
+
+            h, self.layers, at = self.walk_rows(h, pos, state, keep, bias, confidence, self.threshold)
+            if at is not None and made:
+                self.exited = made[-1][:, None]
+            return h
+        prev = [None]
 
         def block_out(block: Any, x: Tensor) -> Tensor:
             x, scores = block(x, pos, state, masks, prev[0])
@@ -64,7 +97,7 @@ class ExitStep(FastStep):
             exits.propagate(blocks, x, Context(pos=pos, causal=True, state=state))
 
         h, self.layers = exits.walk(h, self.blocks, block_out, skip,
-                                    lambda x, before, layer: exits.confidence(stack, x, before, layer, self.head),
+                                    lambda x, before, layer: exits.confidence(stack, x, before, layer, self.exit_head),
                                     self.threshold)
         return h
 

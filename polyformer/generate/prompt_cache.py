@@ -123,6 +123,9 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
         raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
     if net.attn_layers.hourglass is not None:
         raise ValueError("a prompt cache keeps keys at one resolution; an hourglass stack (hourglass=...) has several")
+    if net.attn_layers.window is not None:
+        raise ValueError("a windowed model's decode state is a ring of its window (memory/window_state.py); a prompt "
+                         "cache does not keep one")
     prompt = checks.token_ids(prompt, net.num_tokens, "prompt")
     if state.pending:
         raise ValueError("state has a step under way (pending positions): save it between steps")
@@ -191,6 +194,9 @@ def load_prompt_cache(path: str | os.PathLike, net: nn.Module, max_len: int) -> 
     """
     _need_safetensors()
     net = _unwrap(net)
+    if net.attn_layers.window is not None:
+        raise ValueError("a windowed model's decode state is a ring of its window (memory/window_state.py); a prompt "
+                         "cache does not keep one")
     path = Path(path)
     param = next(net.parameters())
     metadata = _read_metadata(path)         # refuse a wrong file before reading its tensors

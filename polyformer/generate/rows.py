@@ -9,11 +9,13 @@ is one Python call that runs the norm, the products, the cache writes, one
 cache views, the folded key mask and score bias) is made once per step. Its logits equal the module
 path's up to float rounding (tests/generate/test_default_layout.py). With autograd recording or
 autocast on, `FastStep` keeps the PlainBlocks' own calls (out= buffers take no gradient or autocast).
+Where the extension is built and knows every block (`native.py`), the loop over the blocks runs in C++ on the
+same buffers, the same operations in the same order: the same rows bit for bit, one call per step.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from ..attention.kernels.dense import additive, match_heads
 from ..memory.kv_cache import DecodeState
 from ..norm import LayerNorm, RMSNorm
+from . import native
 from .plan import DecodeLayout, PlainBlock
 
 Product = Callable[[Tensor, Tensor], Tensor]
@@ -180,7 +183,10 @@ class Rows:
     def __init__(self, blocks: list[PlainBlock], layout: DecodeLayout | None):
         self.width: dict[str, int] = {}
         self.blocks = [(_Attention if blk.attention else _FeedForward)(blk, layout, self.width) for blk in blocks]
+        self.layout = layout
         self.bound: tuple | None = None
+        self.native: Any = None             # the block loop in C++ over the bound buffers (native.py), or None
+        self.key_rows: tuple[dict, list[int]] | None = None
 
     @staticmethod
     def build(blocks: list, layout: DecodeLayout | None) -> "Rows | None":
@@ -204,19 +210,34 @@ class Rows:
             for blk in self.blocks:
                 blk.bind(buffers, h.dtype)
             self.bound = (key, buffers)
+            self.native = native.bind(self, buffers["res"])
         return self.bound[1]
+
+    def begin(self, h: Tensor, state: DecodeState, keep: Tensor | None, bias: Tensor | None) -> tuple[Tensor, tuple]:
+        """The residual rows (b, dim), set to h (b, 1, dim), and what every block takes after (rows, pos) this
+        step: the new keys' / values' slots, the cache views, the state's layer rows, the folded key mask."""
+        res = self._buffers(h)["res"]
+        res.copy_(h[:, 0])
+        end = state.length + 1
+        new_k, new_v = state.k.select(3, state.length).unbind(0), state.v.select(3, state.length).unbind(0)
+        keys, values = state.k.narrow(3, 0, end).unbind(0), state.v.narrow(3, 0, end).unbind(0)
+        return res, (new_k, new_v, keys, values, state.rows, additive(keep, bias, h.dtype))
 
     def __call__(self, h: Tensor, pos: Tensor, state: DecodeState, keep: Tensor | None,
                  bias: Tensor | None) -> Tensor:
         """The blocks' output for one new token per row, h (b, 1, dim) -> (b, 1, dim), its keys and
         values written to `state` (begun for this step); keep / bias: the key mask and score bias."""
         res = self._buffers(h)["res"]
-        res.copy_(h[:, 0])
-        end = state.length + 1
-        new_k, new_v = state.k.select(3, state.length).unbind(0), state.v.select(3, state.length).unbind(0)
-        keys, values = state.k.narrow(3, 0, end).unbind(0), state.v.narrow(3, 0, end).unbind(0)
-        mask = additive(keep, bias, h.dtype)
-        rows = state.rows
+        if self.native is not None:
+            res.copy_(h[:, 0])
+            if self.key_rows is None or self.key_rows[0] is not state.rows:
+                layers = [blk.layer for blk in self.blocks if isinstance(blk, _Attention)]
+                self.key_rows = (state.rows, [state.rows[layer] for layer in layers])
+            if self.native.step(state.k, state.v, state.length, additive(keep, bias, h.dtype), self.key_rows[1]):
+                return res[:, None]
+            self.native = native.bind(self, res)        # an input-major copy went stale: remade, rebound
+            return self(h, pos, state, keep, bias)
+        res, step = self.begin(h, state, keep, bias)
         for blk in self.blocks:
-            blk(res, pos, new_k, new_v, keys, values, rows, mask)
+            blk(res, pos, *step)
         return res[:, None]

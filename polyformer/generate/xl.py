@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..attention.knn_memory import read_only
+from ..memory.infini_carry import carries
 from ..memory.memories import Memories
 from ..wrappers import TransformerWrapper
 from .decode import sample_steps
@@ -29,8 +30,9 @@ class XLAutoregressiveWrapper(nn.Module):
         super().__init__()
         if not isinstance(net, TransformerWrapper) or not net.attn_layers.causal:
             raise TypeError("XLAutoregressiveWrapper wraps a TransformerWrapper with a Decoder")
-        if not net.max_mem_len:
-            raise ValueError("XLAutoregressiveWrapper needs a model built with max_mem_len > 0")
+        if not carries(net):
+            raise ValueError("XLAutoregressiveWrapper needs a model built with max_mem_len > 0 (or attn_infini "
+                             "blocks, not in a universal / hourglass stack)")
         self.net = net
         self.ignore_index = ignore_index
         self.pad_value = pad_value

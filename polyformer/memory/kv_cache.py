@@ -156,6 +156,10 @@ class DecodeState:
         for memory in self.recurrent_layers.values():
             memory.commit()
 
+    def last_positions(self) -> Tensor:
+        """(b, 1) the position of each row's latest cached key (the state must hold one)."""
+        return self.pos[:, self.length - 1: self.length]
+
     def rollback(self, n: int) -> None:
         """Forget the last n positions (rejected speculative tokens)."""
         if not 0 <= n <= self.length:

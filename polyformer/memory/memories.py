@@ -4,7 +4,8 @@ self-attention block, oldest first. Attention sees [compressed memory, memory, s
 memories join as one key source before the segment, positions continuing backwards.
 
 A model built without a compressed memory takes and returns today's `mems` list (a `Memories`
-record is accepted too); one built with `max_cmem_len > 0` returns a `Memories` record."""
+record is accepted too); one built with `max_cmem_len > 0` returns a `Memories` record, and so does one
+with Infini-attention blocks, whose compressive memory crosses forwards in it (infini_carry.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ if TYPE_CHECKING:
 @dataclass
 class Memories:
     """Per self-attention block: mems (b, m, dim) the XL memory, cmems (b, cm, dim) the compressed
-    memory (None: none), and their masks (b, m) / (b, cm) bool, True = keep (None: all kept)."""
+    memory (None: none), and their masks (b, m) / (b, cm) bool, True = keep (None: all kept). infini: per
+    attn_infini block the compressive memory {"M": (b, hk, d, dv), "z": (b, hk, d)} (infini_carry.py); mems
+    is then [] for a model without an XL memory."""
 
     mems: list[Tensor]
     cmems: list[Tensor] | None = None
     mem_masks: list[Tensor] | None = None
     cmem_masks: list[Tensor] | None = None
+    infini: list[dict[str, Tensor]] | None = None
 
     def joined(self) -> tuple[list[Tensor], list[Tensor] | None]:
         """Per block [compressed memory, memory] along positions (b, cm + m, dim), and its mask
@@ -98,8 +102,16 @@ def attended(wrapper: object, mems: list[Tensor] | Memories | None, mem_masks: l
     if isinstance(mems, Memories):
         if mem_masks is not None:
             raise ValueError("mem_masks cannot be given with a Memories record: its masks travel inside it")
+        if not wrapper.max_mem_len:         # an Infini memory alone (infini_carry.py)
+            if mems.mems or mems.cmems or mems.mem_masks or mems.cmem_masks:
+                raise ValueError("mems: the Memories record holds Transformer-XL memories, but this model keeps "
+                                 "none (max_mem_len=0)")
+            return None, None
         _check(mems, wrapper.attn_layers.num_self_attn, wrapper.compressive is not None)
         mems, mem_masks = mems.joined()
+    elif mems is not None and not wrapper.max_mem_len:
+        raise ValueError("mems: a list of Transformer-XL memories needs max_mem_len > 0; this model carries an "
+                         "Infini memory in the Memories record its forward returns (record.mems)")
     if mems is not None and wrapper.shift_mem_down:
         s = wrapper.shift_mem_down
         mems = list(mems[s:]) + list(mems[:s])
@@ -109,11 +121,17 @@ def attended(wrapper: object, mems: list[Tensor] | Memories | None, mem_masks: l
 
 
 def update(wrapper: object, given: list[Tensor] | Memories | None, given_masks: list[Tensor] | Tensor | None,
-           seen: list[Tensor] | None, record: "Intermediates", mask: Tensor | None) -> list[Tensor] | Memories:
+           seen: list[Tensor] | None, record: "Intermediates", mask: Tensor | None,
+           carried: dict | None = None) -> list[Tensor] | Memories:
     """The memories for the next segment, from those given (and their `mem_masks`), those attended
     (`seen`), the blocks' inputs and the segment's mask. Without a compressed memory: per block the
     last max_mem_len of [memory as attended, this segment's block input], detached (a list). With
-    one: the `compressive` module's FIFO update (a `Memories` record)."""
+    one: the `compressive` module's FIFO update (a `Memories` record). With Infini blocks' `carried`
+    memories (infini_carry.py): a `Memories` record holding them too."""
+    if carried is not None:
+        from .infini_carry import next_memories
+
+        return next_memories(wrapper, given, given_masks, seen, record, mask, carried)
     if wrapper.compressive is None:
         return [(torch.cat((seen[i], h), dim=1) if seen is not None else h)[:, -wrapper.max_mem_len:].detach()
                 for i, h in enumerate(record.mems)]

@@ -129,7 +129,9 @@ class GatedAttentionUnit(nn.Module):
         if ctx.need_weights and self.chunk is not None:
             raise ValueError("return_attn=True: gau_chunk reaches other chunks through linear attention and forms "
                              "no attention weights to return")
-        u, v, z = F.silu(self.hidden(x)).split((self.expand, self.expand, self.qk_dim), -1)
+        hidden = self.hidden(x)
+        grad = torch.is_grad_enabled() and hidden.requires_grad      # else φ in place: one (b, n, 2e + s) buffer
+        u, v, z = F.silu(hidden, inplace=not grad).split((self.expand, self.expand, self.qk_dim), -1)
         parts = list((upcast(z)[..., None, :] * self.gamma + self.beta).unbind(-2))     # each (b, n, s)
         if self.rotary is not None:
             for i in range(0, len(parts), 2):

@@ -66,8 +66,8 @@ def _place(new: Tensor, slot: Tensor, T: int, held: Tensor | None = None) -> Ten
 
 
 def _exclusive(x: Tensor) -> Tensor:
-    """Sums over the chunks before each one, along dim 1."""
-    return torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1).cumsum(1)
+    """Sums over the chunks before each one, along dim 1 (the running sum less each chunk's own: one buffer)."""
+    return x.cumsum(1).sub_(x)
 
 
 def mixed_chunk(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: Tensor, keep: Tensor | None,
@@ -77,6 +77,8 @@ def mixed_chunk(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: 
     after the last position, continuing `start` (None: nothing before)."""
     b, n, s = qq.shape
     e, c = v.shape[-1], chunk
+    if start is None and keep is None and _from_zero(pos):
+        return _aligned(qq, ql, kq, kl, v, c, causal)
     pos = pos.expand(b, n)
     keep = torch.ones(b, n, dtype=torch.bool, device=qq.device) if keep is None else keep
     start = start if start is not None else empty(b, c, s, e, qq)
@@ -86,19 +88,7 @@ def mixed_chunk(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: 
     Kq, Kl = (_place(t, slot, T, start[name]).reshape(b, G, c, s) for t, name in ((kq, "kq"), (kl, "kl")))
     V = _place(v, slot, T, start["v"]).reshape(b, G, c, e)
     mask = _place(keep[..., None].to(v.dtype), slot, T, start["keep"][..., None]).reshape(b, G, c) > 0
-    H = (Kl * mask[..., None]).transpose(-1, -2) @ V                         # (b, G, s, e) per chunk
-    seen = mask[:, :, None, :]                                                # (b, G, i, j) inside a chunk
-    if causal:
-        seen = seen & causal_keep(c, c, qq.device)
-        P = start["kv"][:, None] + _exclusive(H)                              # keys of the earlier chunks
-        before = start["count"][:, None] + _exclusive(mask.long().sum(-1))    # (b, G)
-        N = before[..., None] + mask.long().cumsum(-1)                        # (b, G, c)
-        lin = Ql @ P
-    else:
-        lin = Ql @ H.sum(1)[:, None]
-        N = mask.long().sum((1, 2))[:, None, None]
-    quad = torch.where(seen, F.relu(Qq @ Kq.transpose(-1, -2) / c).square(), 0.0) @ V
-    out = (quad + lin / N.clamp(min=1)[..., None]).reshape(b, T, e)
+    out, P, before = _chunks(Qq, Ql, Kq, Kl, V, mask, causal, start)
     out = out.gather(1, slot.clamp(max=T - 1)[..., None].expand(-1, -1, e)).masked_fill(~keep[..., None], 0.0)
     if not causal:
         return out, None
@@ -107,6 +97,61 @@ def mixed_chunk(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: 
     L, rows = last.clamp(min=0) // c, torch.arange(b, device=qq.device)
     return out, {"kv": P[rows, L], "count": before[rows, L], "chunk": torch.where(last >= 0, base + L, -1),
                  "kq": Kq[rows, L], "kl": Kl[rows, L], "v": V[rows, L], "keep": mask[rows, L]}
+
+
+def _from_zero(pos: Tensor) -> bool:
+    """Whether every row's positions are 0, 1, ..., n - 1 (a training forward): chunks are then views."""
+    steps = torch.arange(pos.shape[-1], device=pos.device)
+    return bool((pos == steps).all())
+
+
+def _aligned(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, c: int, causal: bool
+             ) -> tuple[Tensor, Summary | None]:
+    """mixed_chunk for unpadded rows at positions 0 .. n - 1 from nothing before: slot t holds position t,
+    so the layout is the input itself (padded at the end to whole chunks), with no placing or gathering."""
+    b, n, s = qq.shape
+    e, T = v.shape[-1], -(-n // c) * c
+    G, tail = T // c, T - n
+    def chunks(t: Tensor) -> Tensor:          # a view when n is a whole number of chunks
+        return (F.pad(t, (0, 0, 0, tail)) if tail else t).reshape(b, G, c, t.shape[-1])
+
+    Qq, Ql, Kq, Kl, V = (chunks(t) for t in (qq, ql, kq, kl, v))
+    mask = (torch.arange(T, device=qq.device) < n).reshape(1, G, c).expand(b, G, c)
+    out, P, before = _chunks(Qq, Ql, Kq, Kl, V, mask, causal, whole=tail == 0)
+    out = out[:, :n]
+    if not causal:
+        return out, None
+    L = (n - 1) // c          # the last chunk: copies, so that a decode state does not hold the whole layout
+    return out, {"kv": P[:, L].clone(), "count": before[:, L].clone(),
+                 "chunk": torch.full((b,), L, dtype=torch.long, device=qq.device), "kq": Kq[:, L].clone(),
+                 "kl": Kl[:, L].clone(), "v": V[:, L].clone(), "keep": mask[:, L].clone()}
+
+
+def _chunks(Qq: Tensor, Ql: Tensor, Kq: Tensor, Kl: Tensor, V: Tensor, mask: Tensor, causal: bool,
+            start: Summary | None = None, whole: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The mixed chunk form over chunked (b, G, c, .) queries, keys, values and their keep-mask (b, G, c):
+    out (b, G c, e), and (causal) P, the Σ kl vᵀ before each chunk (b, G, s, e), and `before`, their key
+    counts (b, G), continuing `start`. whole: every slot kept (no masking of keys needed)."""
+    b, G, c, s = Qq.shape
+    e = V.shape[-1]
+    H = (Kl if whole else Kl * mask[..., None]).transpose(-1, -2) @ V          # (b, G, s, e) per chunk
+    P = before = None
+    seen = None if whole else mask[:, :, None, :]                             # (b, G, i, j) inside a chunk
+    if causal:
+        order = causal_keep(c, c, Qq.device)
+        seen = order if seen is None else seen & order
+        P, before = _exclusive(H), _exclusive(mask.long().sum(-1))          # keys of the earlier chunks; (b, G)
+        if start is not None:
+            P, before = start["kv"][:, None] + P, start["count"][:, None] + before
+        N = before[..., None] + mask.long().cumsum(-1)                        # (b, G, c)
+        lin = Ql @ P
+    else:
+        lin = Ql @ H.sum(1)[:, None]
+        N = mask.long().sum((1, 2))[:, None, None]
+    scores = F.relu(Qq @ Kq.transpose(-1, -2) / c).square()
+    quad = (scores if seen is None else torch.where(seen, scores, 0.0)) @ V
+    out = quad.add_(lin.div_(N.clamp(min=1)[..., None]))      # in place: both are products' fresh outputs
+    return out.reshape(b, G * c, e), P, before
 
 
 def decode(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, pos: Tensor, keep: Tensor | None,

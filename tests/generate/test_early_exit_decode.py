@@ -16,7 +16,7 @@ from torch.testing import assert_close
 from polyformer import AutoregressiveWrapper
 from polyformer.attention.attention import Attention
 from polyformer.feedforward import FeedForward
-from polyformer.generate import plan
+from polyformer.generate import exit_rows, rows
 from polyformer.generate.early_exit import ExitStep, generate
 from tests.helpers import ids, tiny_lm
 
@@ -111,20 +111,20 @@ def test_exited_tokens_skip_attention_and_feedforward_of_later_layers():
 
 
 def test_the_fast_step_skips_attention_and_feedforward_of_later_layers(monkeypatch):
-    """Generation runs the fast step's blocks (generate/plan.py) layer by layer: an exited token runs none after."""
+    """Generation runs the default plan's rows (generate/rows.py) layer by layer: an exited token runs no block
+    after, only the later layers' key / value products."""
     net, calls = model(), []
-    attend, compute = plan.attend, FeedForward.compute
-    monkeypatch.setattr(plan, "attend", lambda *a: calls.append("a") or attend(*a))
-    monkeypatch.setattr(FeedForward, "compute", staticmethod(lambda *a: calls.append("f") or compute(*a)))
-    prompt = ["f"] * DEPTH                                   # the prompt's module path: its own attention kernel
+    for kind, cls in (("a", rows._Attention), ("f", rows._FeedForward), ("k", exit_rows._Keys)):
+        monkeypatch.setattr(cls, "__call__", lambda self, *a, kind=kind, call=cls.__call__: calls.append(kind) or
+                            call(self, *a))
     out = generate(net, ids(1, 5), 6, threshold=0.0)
-    assert calls == prompt + ["a", "f"] * 5 and out.layers.tolist() == [[DEPTH, 1, 1, 1, 1, 1]]
+    assert calls == (["a", "f"] + ["k"] * (DEPTH - 1)) * 5 and out.layers.tolist() == [[DEPTH, 1, 1, 1, 1, 1]]
     calls.clear()
-    assert generate(net, ids(1, 5), 6, threshold=1.0).mean_layers == DEPTH
-    assert calls == prompt + ["a", "f"] * DEPTH * 5
+    assert generate(net, ids(1, 5), 6, threshold=0.999999).mean_layers == DEPTH
+    assert calls == ["a", "f"] * DEPTH * 5
 
 
-@pytest.mark.parametrize("keywords", [{}, dict(macaron=True)])
+@pytest.mark.parametrize("keywords", [{}, dict(macaron=True), dict(shift_tokens=1)])
 def test_a_row_decodes_as_it_would_alone_on_either_path(keywords):
     """Rows exit at different layers; an exited row's stream stays frozen block by block (macaron: a
     feedforward before the attention), so its later keys / values are the propagated ones, as alone."""

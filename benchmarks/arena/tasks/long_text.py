@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from polyformer.attention.knn_memory import clear_knn_memories
 from polyformer.early_exit import next_token_loss, policy_of
 from polyformer.losses import AuxLosses, forward_with_losses, with_aux
+from polyformer.memory.infini_carry import carries
 from polyformer.memory.memories import Memories
 
 from .. import compute, record
@@ -62,7 +63,7 @@ class Reader:
         self.aux = AuxLosses()          # the last call's auxiliary losses (an MoE's balance loss), added in training
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not getattr(self.model, "max_mem_len", 0):
+        if not carries(self.model):     # an XL memory (max_mem_len) or an Infini one (memory/infini_carry.py)
             logits, self.aux = forward_with_losses(self.model, x)
             return logits
         logits, record = self.model(x, mems=self.mems, return_intermediates=True)

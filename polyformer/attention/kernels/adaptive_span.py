@@ -13,7 +13,7 @@ span reached 0 can still grow back. The L1 term (lambda / heads) sum_h z_h is re
 Only keys at distance < w = floor(max_h z_h + R) + 1 (at most S + R) can weigh anything, so the
 kernel reads only those: queries in groups of Q, each against the Q + w - 1 keys within reach
 (strided views, no gather), O(n w) time and memory, never n x n. A decode state keeps the last
-S + R keys alone (`decode_window`: generation slides older keys out, as for a window pattern), and each
+S + R keys alone (`decode_window`: a ring of them, memory/window_state.py, as for a window pattern), and each
 step reads only the last w of them. Keys without a position (memory key / values) are seen by
 every query with weight 1. When the keys are not one run of positions (or weights are asked
 for), the same formula runs on the full (i, j) distances: the reference path.

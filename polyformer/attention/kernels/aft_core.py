@@ -9,7 +9,9 @@ they carry no gradient. Three forms:
 
 - `summary` / `scan`: no biases, all keys or prefix sums (O(n d), quadratic only inside chunks);
 - `windowed`: biases only for keys near the query (local, conv): the unbiased sums of the keys
-  outside the window (a prefix, and a suffix when bidirectional) plus the window, unfolded: O(n s d);
+  outside the window (a prefix, and a suffix when bidirectional) plus the window's (`near`): per block
+  of queries one product exp(w) @ (exp(K) ⊙ V), elementwise only inside a causal block: O(n s d) flops
+  in matrix products, O(n L d) elementwise, no (n, s, d) tensor;
 - `pairwise`: any biases (full): exp(w) @ (exp(K) ⊙ V), per chunk of queries when causal.
 
 Keys are (b, g, j, d): the first `free` carry no position (memory key / values) and every query sees
@@ -112,18 +114,69 @@ def windowed(k: Tensor, v: Tensor, free: int, i: int, window: int, causal: bool,
         den = pre[1][:, :, lo] + post[1][:, :, hi] + ef.sum(2, keepdim=True)
     if window == 0:
         return num, den
-    # the window of query t: keys n - i + t + o for o in [1 - window, 0] (causal) or [1 - window, window - 1]
-    span = window if causal else 2 * window - 1
-    start, end = n - i - window + 1, n - i + span - window + i
-    side = (0, 0, max(0, -start), max(0, end - n))
-    kw = F.pad(kp[:, :, max(start, 0):end], side, value=float("-inf")).unfold(2, span, 1)     # (b, g, i, d, S)
-    vw = F.pad(vp[:, :, max(start, 0):end], side).unfold(2, span, 1)
-    u = at[:, None] + torch.arange(1 - window, span - window + 1, device=k.device)           # (i, S)
-    x = kw + bias(at, u.clamp(0, max(n - 1, 0)))[..., None, :]
-    ref = _finite(torch.maximum(top, x.amax(-1)))
-    e = (x - ref[..., None]).exp()
-    scale = (top - ref).exp()
-    return num * scale + (e * vw).sum(-1), den * scale + e.sum(-1)
+    n_num, n_den, n_ref = near(kp, vp, i, window, causal, bias, chunk)
+    ref = _finite(torch.maximum(top, n_ref))
+    mine, theirs = (top - ref).exp(), (n_ref - ref).exp()
+    return num * mine + n_num * theirs, den * mine + n_den * theirs
+
+
+def near(k: Tensor, v: Tensor, i: int, window: int, causal: bool, bias: Bias, block: int) -> Sums:
+    """The sums over the keys u near each of the last i queries t (t - window < u <= t when causal,
+    |t - u| < window otherwise) of e^{K_u + w_tu} V_u and e^{K_u + w_tu}, relative to a reference, and
+    it: each (b, g, i, d), k and v (b, g, n, d) positioned keys. Queries go in blocks of L, a block's keys
+    one slice (unfold) of the keys. Bidirectional (L >= window): one product per block, exp(w - max_u w)
+    @ (exp(K - max_u K) ⊙ V). Causal (L <= window): so for the keys before the block (every query of the
+    block is after them), and the block's own keys elementwise against each query's running maximum: the
+    future never enters, not even through a maximum."""
+    b, g, n, d = k.shape
+    L = min(block, window) if causal else max(block, window)
+    C = -(-i // L)
+    before = window - 1
+    R = before + L + (0 if causal else window - 1)                       # key slots per block
+    first = n - i - before                                              # the key in the first block's slot 0
+    at = torch.arange(n - i, n, device=k.device)
+    slots = first + L * torch.div(at - (n - i), L, rounding_mode="floor")[:, None] + torch.arange(R, device=k.device)
+    offset = slots - at[:, None]                                        # u - t: (i, R)
+    inside = (offset > -window) & (offset <= (0 if causal else window - 1))
+    w = bias(at, slots.clamp(0, max(n - 1, 0))).masked_fill(~inside, float("-inf"))
+    w = F.pad(w, (0, 0, 0, C * L - i), value=float("-inf")).unflatten(-2, (C, L))          # (b|1, g|1, C, L, R)
+    if not causal:
+        sums = _product(*_slots(k, v, first, R, L, C), w)
+    else:           # the block's own keys: (b, g, C, t, u, d)
+        ko, vo = (F.pad(x[:, :, n - i:], (0, 0, 0, C * L - i), value=pad).unflatten(2, (C, L))
+                  for x, pad in ((k, float("-inf")), (v, 0.0)))
+        x = ko[:, :, :, None] + w[..., before:, None]
+        own = x.detach().amax(-2)
+        e = (x - _finite(own)[..., None, :]).exp()
+        sums = ((e * vo[:, :, :, None]).sum(-2), e.sum(-2), own)
+        if before:
+            earlier = _product(*_slots(k, v, first, before, L, C), w[..., :before])
+            ref = torch.maximum(earlier[2], own)
+            safe = _finite(ref)
+            a, c = (earlier[2] - safe).exp(), (own - safe).exp()
+            sums = (earlier[0] * a + sums[0] * c, earlier[1] * a + sums[1] * c, ref)
+    return tuple(t.reshape(b, g, C * L, d)[:, :, :i] for t in sums)
+
+
+def _slots(k: Tensor, v: Tensor, first: int, R: int, L: int, C: int) -> tuple[Tensor, Tensor]:
+    """Keys first + c L + r (r < R) of k, v (b, g, n, d) for each block c: (b, g, C, R, d) each; -inf keys and
+    zero values outside 0 .. n - 1."""
+    n = k.shape[2]
+    end = first + (C - 1) * L + R
+    lo, hi = min(max(first, 0), n), min(max(end, 0), n)
+    side = (0, 0, lo - first, end - max(hi, lo))
+    return tuple(F.pad(x[:, :, lo:hi], side, value=pad).unfold(2, R, L).transpose(-1, -2)
+                 for x, pad in ((k, float("-inf")), (v, 0.0)))
+
+
+def _product(k: Tensor, v: Tensor, w: Tensor) -> Sums:
+    """Σ_u e^{K_u + w_tu} V_u, Σ_u e^{K_u + w_tu} by matrix products, k, v (b, g, C, R, d), w (b|1, g|1, C, L, R),
+    relative to max_u K_u + max_u w_tu (an upper bound of the exponents): each (b, g, C, L, d)."""
+    top = k.detach().amax(-2, keepdim=True)                             # (b, g, C, 1, d)
+    wm = w.detach().amax(-1, keepdim=True)                              # (b|1, g|1, C, L, 1)
+    e = (k - _finite(top)).exp()
+    p = (w - _finite(wm)).exp()
+    return p @ (e * v), p @ e, top + wm
 
 
 def pairwise(k: Tensor, v: Tensor, free: int, i: int, causal: bool, bias: Bias, chunk: int) -> tuple[Tensor, Tensor]:

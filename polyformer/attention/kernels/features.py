@@ -7,7 +7,10 @@ a factor per query; `advance()` runs once per forward (FAVOR+'s redraw schedule)
   and ω orthogonal random rows, so E[φ(q)·φ(k)] = exp(qᵀk / √d); ψ = φ divided by its own largest
   entry, which goes into a (keys) or cancels (queries). Its relu kernel: relu(ωᵀx̃) / √m.
 - Random Fourier features (RFA, Peng et al. 2021): φ(x) = [sin(ωᵀx̂ / σ), cos(ωᵀx̂ / σ)] / √D of the
-  l2-normalised x̂, ω ~ N(0, I), σ learned per head: E[φ(x)·φ(y)] = exp(-|x̂ - ŷ|² / 2σ²)."""
+  l2-normalised x̂, ω ~ N(0, I), σ learned per head: E[φ(x)·φ(y)] = exp(-|x̂ - ŷ|² / 2σ²).
+
+`floor(heads)`: the kernel's least value (h,), below which its estimate φ(q)·φ(k) may fall (None where
+the features are positive: their estimate never does)."""
 
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ class Elementwise(nn.Module):
     def advance(self) -> None:
         pass
 
+    def floor(self, heads: int) -> None:
+        return None
+
     def query(self, x: Tensor) -> Tensor:
         return F.elu(x) + 1 if self.kind == "elu" else F.relu(x)
 
@@ -86,6 +92,9 @@ class Favor(nn.Module):
             self.draws += 1
             self.omega = self.draw(int(self.draws)).to(self.omega.device)
 
+    def floor(self, heads: int) -> None:
+        return None
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(ωᵀx̃, x̃) with x̃ = x d^(-1/4)."""
         xs = x * self.dim ** -0.25
@@ -106,7 +115,19 @@ class Favor(nn.Module):
 
 
 class Fourier(nn.Module):
-    """RFA's random Fourier features of l2-normalised inputs, with a learned σ per kv head."""
+    """RFA's random Fourier features of l2-normalised inputs, with a learned σ per kv head.
+
+    Unlike FAVOR+'s, these features are signed: the estimate φ(q)·Σ_j w_j φ(k_j) of the normaliser
+    Σ_j w_j exp(-|q̂ - k̂_j|² / 2σ²) is unbiased but, with few features, can come out near zero or
+    negative, where the true sum cannot: |q̂ - k̂| <= 2 puts every term in [exp(-2 / σ²), 1] times
+    its weight (and |φ(x)| = 1 keeps the estimate's terms in [-1, 1]). Dividing by such an estimate
+    sends the output and its gradient to infinity (the arena's long-text rfa_gate row: gradient norms of
+    60 - 360 before clipping, the loss stuck near 2.5 - 3).
+    The kernel attention therefore keeps the estimate at least exp(-2 / σ²) Σ_j w_j, the least value
+    the normaliser can take (linear_core's `floor`): moving an estimate into the range of its target
+    never moves it further from the target; inside that range the paper's ratio estimator is unchanged.
+    The output is then bounded by exp(2 / σ²) max_j |v_j|. (A fairseq implementation of RFA clamps the
+    normaliser at a small constant instead, a bound blind to the keys' total weight.)"""
 
     def __init__(self, dim: int, kv_heads: int, m: int, seed: int, layer: int):
         super().__init__()
@@ -117,6 +138,11 @@ class Fourier(nn.Module):
 
     def advance(self) -> None:
         pass
+
+    def floor(self, heads: int) -> Tensor:
+        """exp(-2 / σ²) per query head (heads,): the least value of the kernel of unit vectors."""
+        sigma = self.log_sigma.exp().repeat_interleave(heads // self.log_sigma.shape[0])
+        return (-2 / sigma.square()).exp()
 
     def query(self, x: Tensor) -> Tensor:
         """φ(x) of x (b, heads, n, d), each head with its kv head's σ."""

@@ -2,7 +2,8 @@
 "direct", causal only: causal softmax attention inside segments of N positions, and per key head a
 compressive memory of every earlier segment read by linear attention, mixed by a learned per-head gate
 (the algebra: `infini_core.py`). A decode state keeps the memory and the latest segment's keys: its size
-does not grow with the tokens fed."""
+does not grow with the tokens fed. A forward hands its memory to the next in the `Memories` record (`mems`;
+memory/infini_carry.py), read here as a decode state's summary is."""
 
 from __future__ import annotations
 

@@ -131,21 +131,23 @@ def infini(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keep: Tensor | None, *,
            start: Summary | None = None, want_state: bool = False) -> tuple[Tensor, Summary | None]:
     """q (b, h, n, d), k (b, hk, n, d), v (b, hk, n, dv) of tokens at pos (b|1, n), keep (b, n) bool or None;
     gate β (h,); prefix: keys (b, hk, P, d), values and keep (b, P) every query sees. Returns out (b, h, n, dv),
-    zero at padded positions, and (want_state) the summary after the last position, continuing `start`."""
+    zero at padded positions, and (want_state) the summary after the last position, continuing `start` (a
+    summary, or M and z alone: a memory carried from an earlier forward, its first segment the row's own)."""
     b, h, n, d = q.shape
     hk, dv, N = k.shape[1], v.shape[-1], segment
-    lay = layout(pos, keep, start, N)
+    held = start if start is not None and "k" in start else None          # else M and z alone: a carried memory
+    lay = layout(pos, keep, held, N)
     T, G = lay.T, lay.T // N
-    mask = kept(keep, lay, n, start)                                        # (b|1, T)
+    mask = kept(keep, lay, n, held)                                         # (b|1, T)
     Q = place(q, lay)
-    K = place(k, lay, None if start is None else start["k"])
-    V = place(v, lay, None if start is None else start["v"])
+    K = place(k, lay, None if held is None else held["k"])
+    V = place(v, lay, None if held is None else held["v"])
     B = max(K.shape[0], mask.shape[0])
     sk = sigma(upcast(K)) * mask[:, None, :, None]
     if start is None:
         M0, z0 = K.new_zeros(B, hk, d, dv, dtype=sk.dtype), K.new_zeros(B, hk, d, dtype=sk.dtype)
     else:
-        M0, z0 = start["M"], start["z"]
+        M0, z0 = start["M"].to(sk.dtype), start["z"].to(sk.dtype)
     Ms, zs = memories(sk.reshape(B, hk, G, N, d), upcast(V).reshape(B, hk, G, N, dv), (M0, z0), delta)
     sq = sigma(upcast(Q)).reshape(b, hk, h // hk, G, N, d)
     mem = retrieve(sq, Ms[:, :, None], zs[:, :, None]).reshape(b, h, T, dv)
@@ -166,6 +168,18 @@ def infini(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keep: Tensor | None, *,
              "v": V.reshape(B, hk, G, N, dv)[rows, :, L], "keep": flat.reshape(B, G, N)[rows, L],
              "segment": torch.where(last >= 0, lay.base.expand(B) + L, -1)}
     return out, state
+
+
+def closed(summary: Summary, delta: bool) -> Summary:
+    """The memory after the summary's latest segment too, {"M", "z"}: what a forward hands to the next (its end
+    closes its last segment; memory/infini_carry.py)."""
+    M, z = summary["M"], summary["z"]
+    if "k" not in summary:
+        return {"M": M, "z": z}
+    sk = sigma(upcast(summary["k"])).to(M.dtype) * summary["keep"][:, None, :, None]
+    v = upcast(summary["v"]).to(M.dtype)
+    value = v - retrieve(sk, M, z) if delta else v
+    return {"M": M + sk.transpose(-1, -2) @ value, "z": z + sk.sum(-2)}
 
 
 def _local(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor, lay: Layout, N: int, prefix: tuple | None, scale: float,

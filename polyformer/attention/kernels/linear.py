@@ -96,6 +96,7 @@ class KernelAttention(nn.Module):
                 need_weights: bool) -> AttnOut:
         self.feature.advance()
         dtype, eps, h, n = q.dtype, self.feature.eps, q.shape[1], q.shape[2]
+        floor = self.feature.floor(h)
         q, k, v = upcast(q), upcast(kv.k), upcast(kv.v)
         keep = None if kv.mask is None else F.pad(kv.mask, (kv.free, 0), value=True)
 
@@ -106,7 +107,8 @@ class KernelAttention(nn.Module):
             if memory is not None:
                 raise ValueError("return_attn cannot show a recurrent decode state's attention (it keeps no keys)")
             fk, a, vk, decay = keys(0, k.shape[2])
-            out, weights = core.quadratic(self.feature.query(q), fk, a, vk, decay, eps, causal=causal)
+            out, weights = core.quadratic(self.feature.query(q), fk, a, vk, decay, eps, causal=causal,
+                                          floor=floor)
             return AttnOut(out.to(dtype), weights=weights.to(dtype))
         # without autograd, runs of positions one after another (exact: summaries combine, and a causal
         # summary carries over), so features and chunks of one run only are held at a time
@@ -116,7 +118,7 @@ class KernelAttention(nn.Module):
             for lo in range(0, k.shape[2], run):
                 part = core.summarise(*keys(lo, lo + run)[:3])
                 summary = part if summary is None else core.combine(summary, part)
-            outs = [core.read(self.feature.query(q[:, :, lo:lo + run]), summary, eps) for lo in range(0, n, run)]
+            outs = [core.read(self.feature.query(q[:, :, lo:lo + run]), summary, eps, floor) for lo in range(0, n, run)]
             return AttnOut(torch.cat(outs, 2).to(dtype))
         pre = k.shape[2] - n               # keys every query sees (memory key / values, XL memories)
         if pre and self.decays:
@@ -131,7 +133,7 @@ class KernelAttention(nn.Module):
             fk, a, vk, decay = keys(pre + lo, pre + hi)
             out, state, trailing = core.chunked(self.feature.query(q[:, :, lo:hi]), fk, a, vk, decay=decay,
                                                 start=state, chunk=self.chunk, prefix=prefix,
-                                                trail=trail if hi == n else 0, eps=eps)
+                                                trail=trail if hi == n else 0, eps=eps, floor=floor)
             outs.append(out)
         if memory is not None:
             memory.write(state, trailing)

@@ -40,8 +40,7 @@ class Linformer(nn.Module):
     def __init__(self, spec: KernelSpec):
         super().__init__()
         o: LinformerOptions = spec.options
-        self.scale, self.seq_len = spec.scale, o.seq_len
-        self.dropout = nn.Dropout(spec.dropout)
+        self.scale, self.seq_len, self.dropout = spec.scale, o.seq_len, spec.dropout
         # E_tr ~ N(0, 1/k): the random projection of the paper's Johnson-Lindenstrauss argument
         self.proj_k = nn.Parameter(torch.randn(o.seq_len, o.k) / math.sqrt(o.k))
         self.proj_v = None if o.share_kv else nn.Parameter(torch.randn(o.seq_len, o.k) / math.sqrt(o.k))
@@ -73,6 +72,7 @@ class Linformer(nn.Module):
         f = (self.proj_v if self.proj_v is not None else self.proj_k)[:n].to(v.dtype)
         k = torch.cat((free_k, torch.einsum("bhjd,jr->bhrd", k, e)), dim=2)       # (b, hk, free + k, d)
         v = torch.cat((free_v, torch.einsum("bhjd,jr->bhrd", v, f)), dim=2)
-        scores = (q @ match_heads(k, h).transpose(-1, -2)) * self.scale
-        weights = self.dropout(F.softmax(scores, dim=-1))
-        return AttnOut((weights @ match_heads(v, h)).to(dtype))
+        # softmax attention over the projected rows, fused: no (i, k) score matrix is kept for backward
+        out = F.scaled_dot_product_attention(q, match_heads(k, h), match_heads(v, h),
+                                             dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
+        return AttnOut(out.to(dtype))

@@ -47,12 +47,15 @@ def segment_means(x: Tensor, keep: Tensor | None, m: int) -> tuple[Tensor, Tenso
     """The landmarks (b, h, m, d) of x (b, h, n, d): the mean of each segment's kept positions (keep (b, n)
     or None); and which landmarks have any position (b, m)."""
     b, n = x.shape[0], x.shape[2]
+    if keep is None and n % m == 0:         # equal segments: a mean over a view, no (m, n) weights
+        return x.unflatten(2, (m, n // m)).mean(3), torch.ones(b, m, dtype=torch.bool, device=x.device)
     segment = torch.arange(n, device=x.device) * m // n
     w = (segment == torch.arange(m, device=x.device)[:, None]).to(x.dtype).expand(b, m, n)   # (b, m, n)
     if keep is not None:
         w = w * keep[:, None, :].to(x.dtype)
     count = w.sum(-1)
-    return (w / count.clamp(min=1)[..., None])[:, None] @ x, count > 0
+    # one (m, n) @ (n, h d) product per row: a broadcast matmul would copy w once per head
+    return torch.einsum("bmn,bhnd->bhmd", w / count.clamp(min=1)[..., None], x), count > 0
 
 
 def iterative_pinv(a: Tensor, iters: int, init: str = "row") -> Tensor:
@@ -79,9 +82,11 @@ def nystrom(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, m: int, iters:
     q_keep = keep[:, -i:] if keep is not None else None
     q_marks, q_ok = segment_means(q, q_keep, m)                                # (b, h, m, d), (b, m)
     k_marks, k_ok = segment_means(k, keep, m)
-    seen = k_ok[:, None, None, :]
+    seen = None if keep is None else k_ok[:, None, None, :]      # without padding every landmark has positions
     kernel_1 = masked_softmax(q @ k_marks.transpose(-1, -2), seen)             # (b, h, i, m)
-    a = masked_softmax(q_marks @ k_marks.transpose(-1, -2), seen) * q_ok[:, None, :, None]
+    a = masked_softmax(q_marks @ k_marks.transpose(-1, -2), seen)
+    if keep is not None:
+        a = a * q_ok[:, None, :, None]
     kernel_3 = masked_softmax(q_marks @ k.transpose(-1, -2), None if keep is None else keep[:, None, None, :])
     left = kernel_1 @ iterative_pinv(a, iters, init)    # (b, h, i, m): 0 in a missing landmark's column (A's row is 0)
     if need_weights:

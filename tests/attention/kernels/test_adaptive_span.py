@@ -190,9 +190,9 @@ def test_cached_generation_equals_uncached_while_the_state_keeps_only_s_plus_r_k
     assert model.attn_layers.window == (0, 10)                               # S + R = 8 + 2
     ar = AutoregressiveWrapper(model)
     prompts = ids(2, 6)
-    state = model.new_state(2, 14)                                            # room for 14 < 6 + 30 positions
+    state = model.new_state(2, 14)                                            # a ring, whatever the room asked
     cached = ar.generate(prompts, 30, temperature=0.0, state=state)
-    assert state.max_len == 14
+    assert state.k.shape[3] == 10 + 1 and state.length == 6 + 30 - 1         # S + R, + 1 to roll back
     assert torch.equal(cached, ar.generate(prompts, 30, temperature=0.0, cache_kv=False))
 
 

@@ -20,9 +20,9 @@ B, H, D, WINDOW = 2, 4, 3, 3
 MODES = ["simple", "full", "local", "conv"]
 
 
-def make(mode: str, causal: bool, kv_heads: int = 2, seed: int = 0) -> Aft:
-    options = AftOptions(mode, window=WINDOW if mode in ("local", "conv") else None,
-                         max_len=24 if mode in ("full", "local") else None)
+def make(mode: str, causal: bool, kv_heads: int = 2, seed: int = 0, window: int = WINDOW, max_len: int = 24) -> Aft:
+    options = AftOptions(mode, window=window if mode in ("local", "conv") else None,
+                         max_len=max_len if mode in ("full", "local") else None)
     kernel = Aft(KernelSpec(H, kv_heads, D, D, causal, layer=0, scale=1.0, options=options))
     kernel.chunk = 5                                   # several chunks on small inputs
     g = torch.Generator().manual_seed(seed)
@@ -60,11 +60,11 @@ def biases(kernel: Aft, kv: KV, q_pos: torch.Tensor) -> torch.Tensor:
         for t in range(i):
             for u in range(j - kv.free):
                 tp, up = int(q_pos[b, t]), int(kv.pos[b, u])
-                near = abs(tp - up) < WINDOW
+                near = abs(tp - up) < kernel.window
                 if kernel.mode == "full" or (kernel.mode == "local" and near):
                     w[b, :, t, kv.free + u] = float(kernel.pair_bias[tp, up].detach())
-                elif kernel.mode == "conv" and (0 <= tp - up < WINDOW if kernel.causal else near):
-                    offset = tp - up + (0 if kernel.causal else WINDOW - 1)
+                elif kernel.mode == "conv" and (0 <= tp - up < kernel.window if kernel.causal else near):
+                    offset = tp - up + (0 if kernel.causal else kernel.window - 1)
                     w[b, :, t, kv.free + u] = kernel.conv_bias.detach()[:, offset]
     return w
 
@@ -96,6 +96,18 @@ SHAPES = [(9, 9, 0), (4, 9, 2), (1, 9, 2)]     # (queries, positioned keys, memo
 @pytest.mark.parametrize("i, n, free", SHAPES)
 def test_every_mode_equals_its_formula(mode, causal, i, n, free):
     kernel = make(mode, causal)
+    q, kv, q_pos = inputs(i, n, free)
+    expected = formula(q, kv, biases(kernel, kv, q_pos), causal)
+    assert_close(kept(run(kernel, q, kv, q_pos), kv), kept(expected, kv).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["local", "conv"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("i, n, free", [(40, 40, 0), (13, 40, 2), (1, 40, 2)])
+def test_windows_wider_than_a_block_equal_the_formula(mode, causal, i, n, free):
+    """A window of 19 keys over blocks of 8 queries (Aft.scan_chunk): per block one product for the keys
+    before it and its own keys elementwise (causal), or one product for all its keys (bidirectional)."""
+    kernel = make(mode, causal, window=19, max_len=48)
     q, kv, q_pos = inputs(i, n, free)
     expected = formula(q, kv, biases(kernel, kv, q_pos), causal)
     assert_close(kept(run(kernel, q, kv, q_pos), kv), kept(expected, kv).float(), atol=1e-5, rtol=1e-5)

@@ -4,9 +4,12 @@ finite, and the linear transformer equals its formula."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.testing import assert_close
 
 from polyformer import Decoder, Encoder
@@ -160,16 +163,21 @@ def test_the_gate_decays_the_summary_and_a_closed_gate_is_the_ungated_form():
     with torch.no_grad():
         gated.gate_weight.copy_(torch.randn(2, 8, dtype=torch.float64))
         gated.gate_bias.copy_(torch.tensor([-1.0, 0.5]))
-    # explicit recurrence S_t = g_t S_(t-1) + (1 - g_t) φ(k_t) v_tᵀ, z alike, out = φ(q)ᵀS / φ(q)ᵀz,
-    # g_t = σ(w·k_t + b) per head
+    # explicit recurrence S_t = g_t S_(t-1) + (1 - g_t) φ(k_t) v_tᵀ, z and the mass n alike,
+    # out = φ(q)ᵀS / max(φ(q)ᵀz, exp(-2 / σ²) n), g_t = σ(w·k_t + b) per head
     fq, fk = gated.feature.query(q), gated.feature.query(k)
+    floor = (-2 / gated.feature.log_sigma.detach().exp().square()).exp()[:, None]     # (h, 1)
     gates = torch.sigmoid(k @ gated.gate_weight.detach()[:, :, None] + gated.gate_bias.detach()[:, None, None])
-    S, z, outs = 0, 0, []
+    S, z, mass, outs, floored = 0, 0, 0, [], 0
     for t in range(13):
         g = gates[:, :, t]                                                  # (b, h, 1)
         S = g[..., None] * S + (1 - g[..., None]) * fk[:, :, t, :, None] * v[:, :, t, None, :]
         z = g * z + (1 - g) * fk[:, :, t]
-        outs.append((fq[:, :, t, None, :] @ S)[:, :, 0] / (fq[:, :, t] * z).sum(-1, keepdim=True))
+        mass = g * mass + (1 - g)
+        den = (fq[:, :, t] * z).sum(-1, keepdim=True)
+        floored += int((den < floor * mass).sum())
+        outs.append((fq[:, :, t, None, :] @ S)[:, :, 0] / torch.maximum(den, floor * mass))
+    assert floored > 0                                   # 6 features: some estimates fall below the floor
     assert_close(gated(q, kv, **kw).out, torch.stack(outs, 2))
 
 
@@ -195,3 +203,69 @@ def test_inference_in_runs_of_positions_equals_the_training_form(name, options, 
         trained = kernel(q, kv, **kw).out
     with torch.no_grad():
         assert_close(kernel(q, kv, **kw).out, trained)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rfa_output_stays_bounded_where_the_estimated_normaliser_crosses_zero(causal):
+    """Signed Fourier features can estimate the normaliser Σ_j exp(-|q̂ - k̂_j|² / 2σ²) as zero: a key
+    direction is found where φ(q)·(φ(k_0) + φ(k_1)) = 0 (to rounding). The true normaliser is at least
+    2 exp(-2 / σ²) there, so the output stays within exp(2 / σ²) max |v| (it was ~1e15 or inf)."""
+    torch.manual_seed(4)
+    kernel = KERNELS["rfa"](spec(RfaOptions(features=2, chunk=4), causal=causal, heads=1, kv_heads=1)).double()
+    fourier = kernel.feature
+    q = torch.randn(8, dtype=torch.float64)
+
+    def den(k0: Tensor, k1: Tensor) -> float:          # φ(q)·(φ(k_0) + φ(k_1)), the unweighted normaliser
+        with torch.no_grad():
+            fq, fk = fourier.query(q[None, None, None]), fourier.query(torch.stack((k0, k1))[None, None])
+        return float(fq[0, 0, 0] @ fk[0, 0].sum(0))
+
+    k0 = next(k for k in torch.randn(100, 8, dtype=torch.float64) if den(k, k) < 0)
+    lo, hi = 0.0, 1.0          # k_1 from q (normaliser φ(q)·φ(k_0) + 1 > 0) to k_0 (2 φ(q)·φ(k_0) < 0)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if den(k0, (1 - mid) * q + mid * k0) > 0 else (lo, mid)
+    k1 = (1 - lo) * q + lo * k0
+    assert abs(den(k0, k1)) < 1e-12
+    k = torch.stack((k0, k1))[None, None]                                  # (1, 1, 2, 8)
+    v = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)[None, None]
+    out = kernel(torch.stack((q, q))[None, None], KV(k, v, torch.arange(2)[None], None), q_pos=torch.arange(2)[None],
+                 causal=causal, memory=None, need_weights=False).out
+    floor = math.exp(-2 / fourier.log_sigma.exp().item() ** 2)
+    assert torch.isfinite(out).all() and out.abs().max() <= v.abs().max() / floor
+    with torch.no_grad():        # the formula: Σ_j s_j v_j / max(Σ_j s_j, exp(-2 / σ²) (keys seen)), s_j = φ(q)·φ(k_j)
+        scores = (fourier.query(q[None, None, None]) @ fourier.query(k).transpose(-1, -2))[0, 0, 0]     # (2,)
+    seen = torch.tensor([[1.0, 0.0], [1.0, 1.0]] if causal else [[1.0, 1.0]] * 2, dtype=torch.float64)
+    formula = (seen * scores) @ v[0, 0] / torch.maximum((seen * scores).sum(-1), floor * seen.sum(-1))[:, None]
+    assert_close(out[0, 0], formula)
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_a_nearly_shut_gate_keeps_gradients_finite_and_exact(chunk):
+    """log g = -200 per position: a later key's weight relative to an earlier query's maximum is
+    e^{200 (j - i)}, past any float's range. Masked out of the forward, it must not reach the backward as
+    0 · inf (the arena's rfa_gate row went to NaN that way): the gradients are finite and equal the
+    quadratic form's (which masks before the exponential), in the chunked and the token-by-token form."""
+    torch.manual_seed(5)
+    kernel = KERNELS["rfa"](spec(RfaOptions(features=6, gate=True, chunk=chunk))).double()
+    with torch.no_grad():
+        kernel.gate_bias.fill_(-200.0)
+    kv_pos = torch.arange(9)[None]
+
+    def grads(need_weights: bool, trail: int) -> list[Tensor]:
+        q, k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+                   .requires_grad_() for s in range(3))
+        memory = None
+        if trail:            # a decode state asking for the summaries after the last positions: the stepwise form
+            memory = type("Wanting", (), {"summary": None, "wanted": trail, "write": lambda self, *a: None})()
+        out = kernel(q, KV(k, v, kv_pos, None), q_pos=kv_pos, causal=True, memory=memory,
+                     need_weights=need_weights).out
+        kernel.zero_grad()
+        out.square().sum().backward()
+        return [q.grad, k.grad, v.grad, kernel.gate_weight.grad, kernel.gate_bias.grad]
+
+    reference = grads(True, 0)
+    for found in (grads(False, 0), grads(False, 9)):
+        assert all(torch.isfinite(g).all() for g in found)
+        for g, r in zip(found, reference):
+            assert_close(g, r)

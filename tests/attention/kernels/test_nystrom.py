@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from polyformer import Decoder, Encoder
 from polyformer.attention.kernels.dense import match_heads
-from polyformer.attention.kernels.nystrom import Nystrom, NystromOptions, iterative_pinv, nystrom
+from polyformer.attention.kernels.nystrom import Nystrom, NystromOptions, iterative_pinv, nystrom, segment_means
 from polyformer.interfaces import KV, KernelSpec
 
 
@@ -96,6 +96,18 @@ def test_error_falls_as_landmarks_grow():
         errors = [(nystrom(q, k, v, None, m, 30)[0] - ref).norm() / ref.norm() for m in (4, 8, 16, 32)]
         assert all(a > b for a, b in zip(errors, errors[1:])), errors
         assert errors[-1] < 1e-3
+
+
+@pytest.mark.parametrize("n", [12, 13])
+def test_segment_means_are_the_means_of_contiguous_segments(n):
+    """Segment t * m // n; the view path (m divides n, no padding) and the weighted path agree with a loop."""
+    x, m = torch.randn(2, 3, n, 4, dtype=torch.float64), 4
+    segment = torch.arange(n) * m // n
+    expected = torch.stack([x[:, :, segment == s].mean(2) for s in range(m)], dim=2)
+    for keep in (None, torch.ones(2, n, dtype=torch.bool)):
+        marks, ok = segment_means(x, keep, m)
+        assert_close(marks, expected, rtol=0, atol=1e-12)
+        assert ok.all()
 
 
 @pytest.mark.parametrize("landmarks", [4, 5])        # segments of 4, and of 3 or 4 positions
