@@ -155,7 +155,8 @@ def int8_lines(ms: dict[str, float], anchors: list[Competitor], agreement: dict[
     met = "" if not hf else (f" (target >= {INT8_TARGET:.0f}x HF GPT-2: "
                              + ("met" if ms[hf[0]] / ms[INT8] >= INT8_TARGET else "**not met**") + ")")
     return [f"int8 weights (`quantize_int8`, weight-only, per-row absmax; an opt-in that changes the numbers, "
-            f"so it is not the float32 comparison above): {vs} against the float32 anchors{met}. "
+            f"so it is not the float32 comparison above; float32 activations, the products on the decode "
+            f"extension's int8 kernel, `rows_native.cpp`, in the native block loop): {vs} against the float32 anchors{met}. "
             f"Against polyformer float32 on the same weights: greedy tokens "
             + (f"identical for all {agreement['tokens']}" if first is None else f"part at token {first}")
             + f"; teacher-forced top-1 agreement {agreement['teacher_forced_top1_agreement']:.1%}, "

@@ -7,7 +7,7 @@ from .generate.continuous import ContinuousAutoregressiveWrapper
 from .generate.beam import BeamResult, beam_search
 from .generate.decode import AutoregressiveWrapper
 from .generate.prompt_cache import load_prompt_cache, next_token_logits, save_prompt_cache
-from .generate.sampling import min_p, top_k, top_p
+from .generate.sampling import min_p, top_a, top_k, top_p
 from .generate.speculative import SpeculativeResult, speculative_generate
 from .generate.xl import XLAutoregressiveWrapper
 from .layout import input_major
@@ -17,7 +17,7 @@ from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransf
 
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
-    "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_k", "top_p",
+    "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_a", "top_k", "top_p",
     "BeamResult", "SpeculativeResult", "beam_search", "speculative_generate", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
     "Int8Linear", "quantize_int8", "input_major",

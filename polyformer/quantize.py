@@ -3,11 +3,13 @@ float scale per output row (symmetric absmax, as in LLM.int8() arXiv:2208.07339 
 split), and activations stay in floating point.
 
 Decoding one sequence at a time reads every weight once per token, so its speed is bounded by
-memory bandwidth; int8 weights move a quarter of float32's bytes. On the CPU the product runs on
-`torch._weight_int8pack_mm` (bfloat16 activations, float32 accumulation, bfloat16 result, cast
-back to the input's dtype); elsewhere, or where that kernel is missing, the weight is dequantized
-to the input's dtype for the product. Either way the result is the product with the dequantized
-weight `q * scale`, up to the activations' rounding.
+memory bandwidth; int8 weights move a quarter of float32's bytes. For float32 CPU rows, up to `ROWS`
+of them (decoding), the product runs on the native decode extension's `int8_linear`
+(polyformer/generate/rows_native.cpp: each int8 weight converted to float32 exactly, float32 products
+and sums, the row's scale applied to the sum), which the default decode loop runs too; bfloat16 CPU
+rows take `torch._weight_int8pack_mm` (bfloat16 activations and result); anything else (more rows,
+other devices and dtypes, no extension) multiplies by the weight dequantized to the input's dtype.
+Float32 rows thus get the product with the dequantized weight `q * scale` to float32 rounding.
 
     model = quantize_int8(model.eval())        # in place; returns the model
 
@@ -15,6 +17,8 @@ Inference only: the int8 weights are buffers, not parameters, so nothing trains 
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,7 @@ from .attention.projection import Projection
 from .layout import linear_layers
 
 QMAX = 127
+ROWS = 24           # float32 CPU products of up to this many rows run on the int8 kernel; more dequantize
 
 
 def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,6 +43,14 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 def _packed_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def _int8_kernel() -> Callable[..., None] | None:
+    """The extension's `int8_linear(x (b, in), q, scale, bias, out (b, out))`, or None without it."""
+    from .generate import native
+
+    module = native.extension()
+    return None if module is None else module.int8_linear
 
 
 class Int8Linear(nn.Module):
@@ -73,13 +86,29 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu" and _packed_kernel() and x.dtype in (torch.float32, torch.bfloat16):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= ROWS * self.in_features:
+            kernel = _int8_kernel()
+            if kernel is not None:
+                flat = x.reshape(-1, self.in_features)
+                out = x.new_empty(flat.shape[0], self.out_features)
+                kernel(flat if flat.stride(-1) == 1 else flat.contiguous(), self.qweight, self.scale, self.bias, out)
+                return out.view(*x.shape[:-1], self.out_features)
+        if x.device.type == "cpu" and _packed_kernel() and x.dtype == torch.bfloat16:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale_bf16)
             y = y.view(*x.shape[:-1], self.out_features)
             return (y if self.bias is None else y + self.bias).to(x.dtype)   # bias added in float32
         w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
         return F.linear(x, w, self.bias.to(x.dtype) if self.bias is not None else None)
+
+    def forward_into(self, x: Tensor, out: Tensor) -> Tensor:
+        """forward(x) for rows x (b, in), written into `out` (b, out) when both are float32 CPU rows and the
+        int8 kernel is built (any b: the decode loop's call, as the native loop runs it); else a new tensor."""
+        kernel = _int8_kernel() if x.device.type == "cpu" and x.dtype == out.dtype == torch.float32 else None
+        if kernel is None or x.stride(-1) != 1:
+            return self(x)
+        kernel(x, self.qweight, self.scale, self.bias, out)
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)

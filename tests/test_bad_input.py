@@ -479,7 +479,7 @@ def test_generate_seq_len_not_positive(seq_len):
         ar().generate(ids(n=3), seq_len)
 
 
-@pytest.mark.parametrize("shape", [(2, 0), (0,), (3,)])
+@pytest.mark.parametrize("shape", [(2, 0), (0,)])    # one (n,) prompt is x-transformers' unbatched form (issue 24)
 def test_generate_empty_or_flat_prompts(shape):
     with refused(ValueError, "prompts"):
         ar().generate(torch.zeros(shape, dtype=torch.long), 4)

@@ -41,8 +41,11 @@ def merge(out_dir: Path, task: str, settings: dict[str, Any], rows: dict[str, An
     for row in rows.values():
         row.setdefault("commit", env["polyformer_commit"])
         row.setdefault("date", env["date"])
+        row.setdefault("threads", env["torch_threads"])       # tokens/s depend on it: shown when rows differ
     if old is not None and old.get("settings") == json.loads(json.dumps(settings)):
         kept = {k: v for k, v in old["rows"].items() if k not in rows}
+        for row in kept.values():         # rows from before threads were kept per row: their record's count
+            row.setdefault("threads", old["environment"].get("torch_threads"))
         merged = {**kept, **rows}
     else:
         if old is not None:
@@ -70,13 +73,20 @@ def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str]
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     tmp.replace(json_path)
     env = record["environment"]
-    footer = (f"\n\nMeasured on {env['cpu']} ({env['cpu_count']} cores, {env['torch_threads']} torch threads), "
+    counts = {name: r.get("threads") for name, r in record["rows"].items() if r.get("threads") is not None}
+    usual = max(set(counts.values()), key=list(counts.values()).count) if counts else env["torch_threads"]
+    footer = (f"\n\nMeasured on {env['cpu']} ({env['cpu_count']} cores, {usual} torch threads), "
               f"torch {env['packages']['torch']}; rows carry their own commit and date "
               f"(this write: {env['polyformer_commit']}, {env['date']}). Settings: "
               f"`{json.dumps(record['settings'], sort_keys=True)}`.\n")
     trains = any("train" in r or "widths" in r for r in record["rows"].values())
-    footer = (f"\n\n{MEMORY_NOTE} Tokens per second: training steps after the first, per wall-clock "
-              "second." if trains else "") + footer
+    odd = sorted(name for name, n in counts.items() if n != usual)
+    notes = [f"{MEMORY_NOTE} Tokens per second: training steps after the first, per wall-clock second."
+             ] if trains else []
+    if odd:
+        notes.append("Rows measured with another number of torch threads (their speed is not comparable): "
+                     + ", ".join(f"`{name}` ({counts[name]})" for name in odd) + ".")
+    footer = ("\n\n" + " ".join(notes) if notes else "") + footer
     images = "".join(f"\n![{p}]({p})\n" for p in plots)
     (out_dir / f"{task}.md").write_text(markdown.rstrip() + "\n" + images + footer)
     index(out_dir)

@@ -218,6 +218,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "arXiv:2404.07143",
             layers=dict(rotary_pos_emb=True, attn_infini=True, attn_infini_segment=32), tasks=("long_text",),
             causal_only=True),
+    Variant("infini_delta", "Infini-attention as `infini` with the delta rule: a segment writes into the memory only "
+            "what the memory does not already retrieve for its keys", "arXiv:2404.07143",
+            layers=dict(rotary_pos_emb=True, attn_infini=True, attn_infini_segment=32, attn_infini_delta=True),
+            tasks=("long_text",), causal_only=True),
     # --- mixture of experts: `no_memory` is the dense row of equal active parameters ------------
     Variant("moe", "8 experts of ff_mult 2, top-2, Switch balance loss 0.01: the active feedforward parameters of "
             "`no_memory` (ff_mult 4), 4x its total", "arXiv:2101.03961, 2006.16668",

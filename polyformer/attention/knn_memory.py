@@ -84,12 +84,8 @@ class KnnMemory(nn.Module):
             raise ValueError(f"the kNN memory (knn_memory_layers) holds {self.store.rows} batch rows, this forward "
                              f"has {b}: pass knn_clear=torch.ones({b}, dtype=torch.bool) to start new rows, or "
                              "clear_knn_memories(model)")
-        slots, valid = self.store.search(q, self.topk)
-        keys, values = self.store.entries(slots)                       # (b, h, i, k, d), (b, h, i, k, dv)
-        qf = upcast(q)
-        scores = torch.einsum("bhid,bhikd->bhik", qf, keys.to(qf.dtype)) * self.scale
-        weights = scores.masked_fill(~valid, HIDDEN).softmax(dim=-1) * valid
-        return torch.einsum("bhik,bhikd->bhid", weights, values.to(qf.dtype)).to(q.dtype)
+        scores, slots, valid = self.store.search_scored(q, self.topk)
+        return Recall.apply(q, scores, slots, valid, self.store, self.scale)
 
     def mix(self, local: Tensor, recalled: Tensor) -> Tensor:
         g = torch.sigmoid(upcast(self.gate)).to(local.dtype)[:, None, None]
@@ -100,6 +96,34 @@ class KnnMemory(nn.Module):
 
     def set_extra_state(self, state: Tensor) -> None:
         self.store.load(from_bytes(state))
+
+
+class Recall(torch.autograd.Function):
+    """apply(q (b, h, i, d), scores, slots, valid (b, h, i, k), store, scale) -> (b, h, i, dv): the softmax
+    of scale * scores (the search's q . key) over the valid slots, times their values. The gradient
+    reaches q only (d scores / d q = the keys, gathered again in the backward): nothing of size k * d
+    is held between the two."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, scores: Tensor, slots: Tensor, valid: Tensor, store: KnnStore,
+                scale: float) -> Tensor:
+        weights = (scores * scale).masked_fill(~valid, HIDDEN).softmax(dim=-1) * valid
+        values = store.entries(slots, keys=False)[1]
+        ctx.save_for_backward(weights, slots)
+        ctx.keys, ctx.values, ctx.scale = store.keys, store.values, scale   # a write replaces, never mutates
+        return torch.einsum("bhik,bhikd->bhid", weights, values.to(weights.dtype)).to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        weights, slots = ctx.saved_tensors
+        held = KnnStore.gathered
+        values = held(ctx.values, slots)
+        dw = torch.einsum("bhid,bhikd->bhik", grad.to(weights.dtype), values.to(weights.dtype))
+        del values
+        ds = weights * (dw - (weights * dw).sum(-1, keepdim=True)) * ctx.scale
+        dq = torch.einsum("bhik,bhikd->bhid", ds, held(ctx.keys, slots).to(ds.dtype))
+        return dq.to(grad.dtype), None, None, None, None, None
 
 
 def attach(stack: nn.Module) -> None:

@@ -13,6 +13,7 @@ from .. import checks
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper, left_padded_positions
 from .fast import fast_step
+from .prompts import batch_prompts
 
 
 @dataclass
@@ -197,3 +198,38 @@ def _search(net: TransformerWrapper, prompts: Tensor, seq_len: int, k: int, eos_
             beams[r, j], beam_scores[r, j] = tokens, score
     return BeamResult(tokens=beams[:, 0].clone(), scores=beam_scores[:, 0].clone(), beams=beams,
                       beam_scores=beam_scores)
+
+
+def beam_method(wrapper: AutoregressiveWrapper, prompts: Tensor | list[Tensor], seq_len: int, beams: int = 4,
+                return_beams_and_scores: bool = False, eos_token: int | None = None, temperature: float = 1.0,
+                stochastic: bool = False, prompt_lens: Tensor | None = None, filter_logits_fn=None,
+                restrict_to_max_seq_len: bool | None = None, filter_kwargs: dict | None = None,
+                cache_kv: bool = True, length_penalty: float = 0.0, mask: Tensor | None = None,
+                context: Tensor | None = None, context_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """`AutoregressiveWrapper.beam_search`, x-transformers' call, on `beam_search` above.
+
+    Returns the best hypothesis (b, seq_len) ((seq_len,) for one (n,) prompt), or with
+    `return_beams_and_scores` (hypotheses (beams, b, seq_len), scores (beams, b)), best first. The
+    default length_penalty 0 scores a hypothesis by its summed log-probability, as x-transformers does.
+    Stochastic (Gumbel) beam search is not built: stochastic, temperature and the filters, which only
+    it reads, must keep their defaults. It always decodes on a decode state (cache_kv=True) and keeps
+    the whole sequence as context (restrict_to_max_seq_len=True is refused when that would drop any)."""
+    sampling = dict(stochastic=(stochastic, False), temperature=(temperature, 1.0),
+                    filter_logits_fn=(filter_logits_fn, None), filter_kwargs=(filter_kwargs or None, None),
+                    cache_kv=(cache_kv, True))
+    clash = [name for name, (value, default) in sampling.items() if value is not default and value != default]
+    if clash:
+        raise ValueError(f"beam_search is deterministic beam search on a decode state; it does not take {clash} "
+                         "(stochastic beam search is not built)")
+    prompts, mask, single = batch_prompts(prompts, mask, prompt_lens, wrapper.pad_value)
+    n, limit = prompts.shape[1], wrapper.max_seq_len
+    if restrict_to_max_seq_len is True and n + seq_len - 1 > limit:
+        raise ValueError(f"restrict_to_max_seq_len=True: beam search keeps all {n + seq_len - 1} tokens as context, "
+                         f"past max_seq_len={limit}; pass restrict_to_max_seq_len=False (relative positions) or "
+                         "a shorter prompt / seq_len")
+    result = beam_search(wrapper, prompts, seq_len, beams, eos_token=eos_token, length_penalty=length_penalty,
+                         mask=mask, context=context, context_mask=context_mask)
+    if not return_beams_and_scores:
+        return result.tokens[0] if single else result.tokens
+    hypotheses, scores = result.beams.transpose(0, 1), result.beam_scores.transpose(0, 1)
+    return (hypotheses[:, 0], scores[:, 0]) if single else (hypotheses, scores)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import ExitStack
 from typing import Callable, Iterator
 
 import torch
@@ -15,7 +16,10 @@ from ..losses import AuxLosses, forward_with_losses, with_aux
 from ..attention.knn_memory import read_only
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
+from .contrastive import amateur_wrappers, contrastive_steps, options
 from .fast import fast_step
+from .prompts import batch_prompts
+from .restrict import check_restrict, state_len
 from .sampling import Sampler
 
 
@@ -95,22 +99,31 @@ class AutoregressiveWrapper(nn.Module):
         return (loss, aux) if return_losses else loss
 
     @torch.no_grad()
-    def generate(self, prompts: Tensor, seq_len: int, eos_token: int | None = None,
-                 temperature: float = 1.0, filter_logits_fn: Callable | list | None = None,
+    def generate(self, prompts: Tensor | list[Tensor], seq_len: int, eos_token: int | None = None,
+                 temperature: float = 1.0, filter_logits_fn: Callable | str | list | None = None,
                  filter_kwargs: dict | list | None = None, cache_kv: bool = True,
                  mask: Tensor | None = None, context: Tensor | None = None,
                  context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
                  state: DecodeState | None = None, generator: torch.Generator | None = None,
-                 num_beams: int = 1, length_penalty: float = 1.0, compile: bool | str | Callable = False) -> Tensor:
-        """Sample `seq_len` tokens after `prompts` (b, n); returns (b, seq_len).
+                 num_beams: int = 1, length_penalty: float = 1.0, compile: bool | str | Callable = False,
+                 prompt_lens: Tensor | None = None, restrict_to_max_seq_len: bool | None = None,
+                 amateur_model: nn.Module | list | tuple | None = None,
+                 contrastive_decode_kwargs: dict | list | tuple | None = None) -> Tensor:
+        """Sample `seq_len` tokens after `prompts` (b, n); returns (b, seq_len) ((seq_len,) for one
+        (n,) prompt).
 
         Args:
             prompts: (b, n) token ids; with `mask` (b, n) bool, left-padded prompts of different
                 lengths: each row's positions start at its first kept token, so a row generates
-                exactly what its prompt alone would.
+                exactly what its prompt alone would. Also a list of 1-D prompts of any lengths, or
+                right-padded prompts with `prompt_lens` (b,) (both become left-padded with a mask).
             temperature: 0 is greedy.
-            filter_logits_fn / filter_kwargs: one filter (`top_k`, `top_p`, `min_p`) or a list,
-                applied in order after the repetition penalty.
+            filter_logits_fn / filter_kwargs: one filter (`top_k`, `top_p`, `top_a`, `min_p`, as a
+                callable or by name) or a list, applied in order after the repetition penalty.
+            restrict_to_max_seq_len: True: the context at every step is exactly the last
+                max_seq_len tokens; False: every token; None: see `state` below (`generate.restrict`).
+            amateur_model / contrastive_decode_kwargs: contrastive decoding (`generate.contrastive`)
+                against one amateur model or a list, with `alpha` and `beta` (one dict, or one each).
             eos_token: a row that produced it continues with `pad_value`.
             cache_kv: run each step on the new token only, against a preallocated decode state.
             state: a decode state to continue (see `new_state`); it holds every token fed so far.
@@ -128,40 +141,64 @@ class AutoregressiveWrapper(nn.Module):
         if num_beams != 1:
             sampling = dict(temperature=(temperature, 1.0), filter_logits_fn=(filter_logits_fn, None),
                             repetition_penalty=(repetition_penalty, 1.0), state=(state, None),
-                            cache_kv=(cache_kv, True), generator=(generator, None), compile=(compile, False))
+                            cache_kv=(cache_kv, True), generator=(generator, None), compile=(compile, False),
+                            amateur_model=(amateur_model, None), contrastive_decode_kwargs=(contrastive_decode_kwargs, None))
             clash = [name for name, (value, default) in sampling.items() if value is not default and value != default]
             if clash:
                 raise ValueError(f"num_beams={num_beams} runs beam search, which does not take {clash}")
-            from .beam import beam_search
+            from .beam import beam_method
 
-            return beam_search(self, prompts, seq_len, num_beams, eos_token=eos_token, length_penalty=length_penalty,
-                               mask=mask, context=context, context_mask=context_mask).tokens
+            return beam_method(self, prompts, seq_len, num_beams, False, eos_token, length_penalty=length_penalty,
+                               mask=mask, context=context, context_mask=context_mask, prompt_lens=prompt_lens,
+                               restrict_to_max_seq_len=restrict_to_max_seq_len)
         return torch.stack(list(self.stream(
             prompts, seq_len, eos_token=eos_token, temperature=temperature, filter_logits_fn=filter_logits_fn,
             filter_kwargs=filter_kwargs, cache_kv=cache_kv, mask=mask, context=context,
             context_mask=context_mask, repetition_penalty=repetition_penalty, state=state,
-            generator=generator, pad_to_length=True, compile=compile)), dim=1)
+            generator=generator, pad_to_length=True, compile=compile, prompt_lens=prompt_lens,
+            restrict_to_max_seq_len=restrict_to_max_seq_len, amateur_model=amateur_model,
+            contrastive_decode_kwargs=contrastive_decode_kwargs)), dim=-1)
+
+    def beam_search(self, prompts: Tensor, seq_len: int, beams: int = 4, return_beams_and_scores: bool = False,
+                    eos_token: int | None = None, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+        """x-transformers' beam search call on `generate.beam.beam_search`; see `beam.beam_method`."""
+        from .beam import beam_method
+
+        return beam_method(self, prompts, seq_len, beams, return_beams_and_scores, eos_token, **kwargs)
 
     @torch.no_grad()
-    def stream(self, prompts: Tensor, seq_len: int, eos_token: int | None = None, temperature: float = 1.0,
-               filter_logits_fn: Callable | list | None = None, filter_kwargs: dict | list | None = None,
-               cache_kv: bool = True, mask: Tensor | None = None, context: Tensor | None = None,
-               context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
+    def stream(self, prompts: Tensor | list[Tensor], seq_len: int, eos_token: int | None = None,
+               temperature: float = 1.0, filter_logits_fn: Callable | str | list | None = None,
+               filter_kwargs: dict | list | None = None, cache_kv: bool = True, mask: Tensor | None = None,
+               context: Tensor | None = None, context_mask: Tensor | None = None, repetition_penalty: float = 1.0,
                state: DecodeState | None = None, generator: torch.Generator | None = None,
-               pad_to_length: bool = False, compile: bool | str | Callable = False) -> Iterator[Tensor]:
-        """`generate`, one step at a time: yields each new (b,) token as soon as it is chosen; stops
-        early when every row has produced `eos_token` (unless pad_to_length)."""
+               pad_to_length: bool = False, compile: bool | str | Callable = False,
+               prompt_lens: Tensor | None = None, restrict_to_max_seq_len: bool | None = None,
+               amateur_model: nn.Module | list | tuple | None = None,
+               contrastive_decode_kwargs: dict | list | tuple | None = None) -> Iterator[Tensor]:
+        """`generate`, one step at a time: yields each new (b,) token (a 0-d one for one (n,) prompt)
+        as soon as it is chosen; stops early when every row has produced `eos_token` (unless pad_to_length)."""
+        prompts, mask, single = batch_prompts(prompts, mask, prompt_lens, self.pad_value)
         checks.token_ids(prompts, self.net.num_tokens, "prompts")
         b, n = prompts.shape
         if not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        restrict = restrict_to_max_seq_len
+        check_restrict(self, restrict, n, seq_len, cache_kv, state is not None)
         if mask is not None:
             checks.bool_mask("mask", mask, (b, n), "(batch, prompt_len)")
             if not bool(mask.any(dim=-1).all()):      # its first token would have no position to follow
                 raise ValueError("mask leaves a prompt without any kept token")
-        if self.net.bounded and n > self.max_seq_len:
+        if self.net.bounded and n > self.max_seq_len and restrict is not True:
             raise ValueError(f"prompts have {n} tokens but the model's learned positions stop at "
                              f"max_seq_len={self.max_seq_len}")
+        amateurs = amateur_wrappers(amateur_model, self) if amateur_model is not None else []
+        if amateurs and (filter_logits_fn is not None or state is not None):
+            raise ValueError("contrastive decoding (amateur_model) keeps the tokens its alpha finds plausible and "
+                             "starts from the prompt: it takes no filter_logits_fn and no state")
+        if not amateurs and contrastive_decode_kwargs is not None:
+            raise ValueError("contrastive_decode_kwargs were given without an amateur_model")
+        contrast = options(contrastive_decode_kwargs, len(amateurs)) if amateurs else []
         if state is not None and not cache_kv:
             raise ValueError("a decode state is only used with cache_kv=True")
         if compile is not False and not cache_kv:
@@ -174,18 +211,42 @@ class AutoregressiveWrapper(nn.Module):
             seen = torch.zeros(b, self.net.num_tokens, dtype=torch.bool, device=prompts.device)
             seen.scatter_(1, prompts, mask if mask is not None else True)
 
-        was_training = self.net.training
-        self.net.eval()
+        models = [self, *amateurs]
+        was_training = [model.net.training for model in models]
         try:
-            fits = not self.net.bounded or n + seq_len <= self.max_seq_len
-            if cache_kv and (fits or state is not None):
-                steps = self._cached(prompts, mask, seq_len, context, context_mask, state, step_net)
-            else:
-                steps = self._recomputed(prompts, mask, context, context_mask)
-            with read_only(self.net):       # kNN memories are read, never written, while generating
-                yield from sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length)
+            with ExitStack() as stack:
+                for model in models:
+                    model.net.eval()
+                    stack.enter_context(read_only(model.net))   # kNN memories are read, never written, here
+                steps = self._steps(prompts, mask, seq_len, context, context_mask, state, step_net, cache_kv, restrict)
+                if amateurs:
+                    steps = contrastive_steps(steps, [amateur._steps(prompts, mask, seq_len, context, context_mask,
+                                                                     cache_kv=cache_kv, restrict=restrict)
+                                                      for amateur in amateurs], contrast)
+                for token in sample_steps(steps, sampler, seq_len, eos_token, self.pad_value, seen, pad_to_length):
+                    yield token[0] if single else token
         finally:
-            self.net.train(was_training)
+            for model, mode in zip(models, was_training):
+                model.net.train(mode)
+
+    def _steps(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
+               context_mask: Tensor | None, state: DecodeState | None = None, step_net: nn.Module | None = None,
+               cache_kv: bool = True, restrict: bool | None = None):
+        """The step generator (`_cached` or `_recomputed`) for `cache_kv` and `restrict_to_max_seq_len`."""
+        b, n = prompts.shape
+        limit = self.max_seq_len
+        if restrict is None:
+            if cache_kv and (not self.net.bounded or n + seq_len <= limit or state is not None):
+                return self._cached(prompts, mask, seq_len, context, context_mask, state, step_net)
+            return self._recomputed(prompts, mask, context, context_mask, limit if self.net.bounded else None)
+        check_restrict(self, restrict, n, seq_len, cache_kv, False)     # again for an amateur's own limits
+        if not cache_kv:
+            return self._recomputed(prompts, mask, context, context_mask, limit if restrict else None)
+        if restrict:
+            prompts, mask = prompts[:, -limit:], mask[:, -limit:] if mask is not None else None
+        length = state_len(self, restrict, prompts.shape[1], seq_len)
+        state = self.net.new_state(b, length) if length is not None else None
+        return self._cached(prompts, mask, seq_len, context, context_mask, state, step_net, min_slide=1)
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         return self.net.new_state(batch, max_len)
@@ -201,10 +262,12 @@ class AutoregressiveWrapper(nn.Module):
             self._compiled[name] = torch.compile(self.net, backend=name)
         return self._compiled[name]
 
-    def feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, **kwargs) -> Tensor:
+    def feed(self, x: Tensor, state: DecodeState, net: Callable | None = None, min_slide: int | None = None,
+             **kwargs) -> Tensor:
         """Run new tokens x (b, n) against the state (through `net`, a callable like the model, when
-        given); slide the window first when a relative-position model's state is full. A windowed
-        model's state is a ring of its window (memory/window_state.py): it never fills."""
+        given); slide the window first when a relative-position model's state is full, by at least
+        `min_slide` positions (default a quarter of it). A windowed model's state is a ring of its
+        window (memory/window_state.py): it never fills."""
         room = state.max_len - state.length
         if x.shape[1] > room and not self.net.bounded:
             if self.net.attn_layers.window is not None:
@@ -214,7 +277,7 @@ class AutoregressiveWrapper(nn.Module):
             window = state.max_len - keep
             if x.shape[1] > window:
                 raise ValueError(f"{x.shape[1]} new tokens do not fit a decode state of {window} positions")
-            state.slide(max(x.shape[1] - room, window // 4), keep=keep)
+            state.slide(max(x.shape[1] - room, window // 4 if min_slide is None else min_slide), keep=keep)
         return (net if net is not None else self.net)(x, state=state, **kwargs)
 
     def state_for(self, batch: int, prompt_len: int, seq_len: int) -> DecodeState:
@@ -229,30 +292,32 @@ class AutoregressiveWrapper(nn.Module):
         return self.net.new_state(batch, length)
 
     def _cached(self, prompts: Tensor, mask: Tensor | None, seq_len: int, context: Tensor | None,
-                context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None):
+                context_mask: Tensor | None, state: DecodeState | None, step_net: nn.Module | None = None,
+                min_slide: int | None = None):
         """Yields next-token logits (b, v); is sent each chosen token. The one-token steps run
         through `step_net` (a compiled net) when given, else through the fast step
         (`generate.fast`) when it covers the model."""
         b, n = prompts.shape
         state = state if state is not None else self.state_for(b, n, seq_len)
         pos = left_padded_positions(mask) if state.length == 0 else None
-        logits = self.feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask)[:, -1]
+        logits = self.feed(prompts, state, mask=mask, pos=pos, context=context, context_mask=context_mask,
+                           min_slide=min_slide)[:, -1]
         if step_net is None:            # the same logits without the module tree's per-token costs
             step_net = fast_step(self.net)
         while True:
             token = yield logits
-            logits = self.feed(token[:, None], state, step_net, context=context, context_mask=context_mask)[:, -1]
+            logits = self.feed(token[:, None], state, step_net, min_slide, context=context,
+                               context_mask=context_mask)[:, -1]
 
     def _recomputed(self, prompts: Tensor, mask: Tensor | None, context: Tensor | None,
-                    context_mask: Tensor | None):
-        """Without a cache: every step runs the whole sequence (the last max_seq_len tokens when
-        positions are learned)."""
+                    context_mask: Tensor | None, limit: int | None):
+        """Without a cache: every step runs the whole sequence, or its last `limit` tokens."""
         seq = prompts
         keep = mask if mask is not None else torch.ones_like(prompts, dtype=torch.bool)
         while True:
             window, window_keep = seq, keep
-            if self.net.bounded:
-                window, window_keep = seq[:, -self.max_seq_len:], keep[:, -self.max_seq_len:]
+            if limit is not None:
+                window, window_keep = seq[:, -limit:], keep[:, -limit:]
             logits = self.net(window, mask=window_keep, pos=left_padded_positions(window_keep),
                               context=context, context_mask=context_mask)[:, -1]
             token = yield logits

@@ -5,7 +5,8 @@ interpreter and the argument binding, about as much again as the call's own work
 (at dim 512 / depth 6 about 0.4 ms a token of the step's 0.6 ms outside the products and attention). The
 extension holds the same tensors (buffers, views, weights, input-major copies) and runs the same operations in
 the same order, so its rows equal the Python loop's bit for bit (tests/generate/test_native_rows.py). It takes
-the plans made only of blocks it knows: a layer or RMS norm (or none), linear products, self-attention
+the plans made only of blocks it knows: a layer or RMS norm (or none), linear products (float, or int8 layers of
+`quantize_int8` over float32 rows, on the extension's int8 kernel as `Int8Linear.forward` runs them), self-attention
 without a position stage (absolute or no positions; a rotary stage keeps the Python loop) and with as many key
 as value heads, and a feedforward with exact GELU. The input-major copies are checked every step (version
 counter and storage address, as `plan.DecodeLayout.current`); a stale one makes `step` return False before
@@ -19,64 +20,35 @@ and torch's version. Where it cannot be built, one warning says why and the Pyth
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import sys
-import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..native_build import Lazy, cache_name, load_extension
 from ..norm import LayerNorm, RMSNorm
+from ..quantize import Int8Linear
 
 SWITCH = "POLYFORMER_NATIVE_DECODE"
 SOURCE = Path(__file__).with_name("rows_native.cpp")
-_lock = threading.Lock()
-_built: dict[str, Any] = {}
+
+
+def _build() -> Any:
+    flags = ["-O2"]
+    return load_extension(cache_name("polyformer_native_rows", [SOURCE], flags), [SOURCE], flags,
+                          "the native decode loop")
+
+
+_built = Lazy(_build, "native decode loop", "the Python loop runs instead")
 
 
 def extension() -> Any | None:
     """The compiled module, built on first call; None where it is switched off or cannot be built."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    if "module" in _built or "error" in _built:
-        return _built.get("module")
-    with _lock:
-        if "module" not in _built and "error" not in _built:
-            try:
-                _built["module"] = _build()
-            except Exception as error:      # no compiler, unwritable cache ...
-                _built["error"] = error
-                warnings.warn(f"polyformer's native decode loop could not be built ({error!s:.300}); the "
-                              "Python loop runs instead", RuntimeWarning, stacklevel=3)
-    return _built.get("module")
-
-
-def _build() -> Any:
-    from torch.utils.cpp_extension import get_default_build_root, load
-
-    if shutil.which("ninja") is None:       # the `ninja` package's binary, when its bin/ is not on PATH
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    flags = ["-O2"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode())
-    name = f"polyformer_native_rows_{digest.hexdigest()[:16]}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-    root.mkdir(parents=True, exist_ok=True)
-    src = root / SOURCE.name
-    if not src.exists() or src.read_bytes() != SOURCE.read_bytes():
-        partial = src.with_name(f".{src.name}.{os.getpid()}")
-        partial.write_bytes(SOURCE.read_bytes())
-        os.replace(partial, src)
-    if not (root / f"{name}.so").exists():
-        print(f"polyformer: building the native decode loop (once per machine and source version, about a "
-              f"minute) in {root}", file=sys.stderr, flush=True)
-    return load(name=name, sources=[str(src)], extra_cflags=flags, build_directory=str(root), verbose=False)
+    return _built.get()
 
 
 def _norm(module: nn.Module | None, dtype: torch.dtype) -> tuple | None:
@@ -93,8 +65,11 @@ def _norm(module: nn.Module | None, dtype: torch.dtype) -> tuple | None:
     return None
 
 
-def _product(module: nn.Module, layout: Any) -> tuple | None:
-    """(weight, its current input-major rows or None, bias) as `rows.product` / `rows.accumulate` read them."""
+def _product(module: nn.Module, layout: Any, dtype: torch.dtype) -> tuple | None:
+    """(weight, its current input-major rows or None, bias) as `rows.product` / `rows.accumulate` read them;
+    an int8 layer's (qweight, None, bias, scale) for float32 rows (its own kernel, `Int8Linear.forward`)."""
+    if type(module) is Int8Linear and dtype == torch.float32:
+        return module.qweight, None, module.bias, module.scale
     if type(module) is not nn.Linear:
         return None
     w = module.weight
@@ -115,13 +90,14 @@ def bind(plan: Any, res: Tensor) -> Any | None:
         if hasattr(blk, "cuts"):        # self-attention (rows._Attention)
             if blk.position is not None or blk.match:
                 return None
-            parts = (_product(blk.block.modules["qkv"], plan.layout), _product(blk.block.modules["out"], plan.layout))
+            parts = (_product(blk.block.modules["qkv"], plan.layout, res.dtype),
+                     _product(blk.block.modules["out"], plan.layout, res.dtype))
             views = (blk.buf, blk.q, blk.k3, blk.v3, blk.scale, blk.gqa)
         else:
             if blk.gelu is None or blk.glu:
                 return None
-            parts = (_product(blk.block.modules["proj_in"], plan.layout),
-                     _product(blk.block.modules["proj_out"], plan.layout))
+            parts = (_product(blk.block.modules["proj_in"], plan.layout, res.dtype),
+                     _product(blk.block.modules["proj_out"], plan.layout, res.dtype))
             views = (blk.hidden, blk.gelu)
         if None in parts:
             return None
@@ -130,6 +106,9 @@ def bind(plan: Any, res: Tensor) -> Any | None:
     if module is None:
         return None
     loop = module.NativeRows(res)
-    for attention, norm, (first, second), views in described:
-        (loop.add_attention if attention else loop.add_feedforward)(*norm, *first, *second, *views)
+    for n, (attention, norm, (first, second), views) in enumerate(described):
+        (loop.add_attention if attention else loop.add_feedforward)(*norm, *first[:3], *second[:3], *views)
+        for which, part in enumerate((first, second)):
+            if len(part) == 4:
+                loop.set_int8(n, bool(which), part[3])
     return loop

@@ -24,6 +24,7 @@ from .. import checks
 from ..build import model_config
 from ..interfaces import KV
 from ..memory.kv_cache import DecodeState
+from ..memory.window_state import WindowState
 from ..train.files import save_tensors
 from ..wrappers import TransformerWrapper
 from .decode import AutoregressiveWrapper
@@ -81,10 +82,17 @@ def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
     def own(x: Tensor) -> Tensor:       # a contiguous copy: slices of the preallocated storage
         return x.detach().clone(memory_format=torch.contiguous_format)
 
+    ring = isinstance(state, WindowState)      # a window's ring: every slot as it is (memory/window_state.py)
+    n = state.slots if ring else n
     tensors = {"k": own(state.k[:, :, :, :n]), "v": own(state.v[:, :, :, :n]),
                "pos": own(state.pos[:, :n]), "mask": own(state.mask[:, :n])}
     for i, h in state.shift.items():
-        tensors[f"shift.{i}"] = own(h[:, :n])
+        tensors[f"shift.{i}"] = own(h if ring else h[:, :n])
+    window = None
+    if ring:
+        tensors["kept"] = own(state.kept)
+        window = {"sinks": state.sinks, "span": state.span, "history": state.history,
+                  "sinks_done": state.sinks_done}
     cross = {}
     for i, kv in state.cross.items():
         tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"] = own(kv.k), own(kv.v)
@@ -100,7 +108,8 @@ def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
         for t, summary in enumerate(trail):
             for name, x in (summary or {}).items():
                 tensors[f"recurrent.{i}.{t}.{name}"] = own(x)
-    return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix, "recurrent": recurrent}
+    return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix, "recurrent": recurrent,
+                     "window": window}
 
 
 def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeState, prompt: Tensor) -> None:
@@ -123,9 +132,6 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
         raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
     if net.attn_layers.hourglass is not None:
         raise ValueError("a prompt cache keeps keys at one resolution; an hourglass stack (hourglass=...) has several")
-    if net.attn_layers.window is not None:
-        raise ValueError("a windowed model's decode state is a ring of its window (memory/window_state.py); a prompt "
-                         "cache does not keep one")
     prompt = checks.token_ids(prompt, net.num_tokens, "prompt")
     if state.pending:
         raise ValueError("state has a step under way (pending positions): save it between steps")
@@ -194,9 +200,6 @@ def load_prompt_cache(path: str | os.PathLike, net: nn.Module, max_len: int) -> 
     """
     _need_safetensors()
     net = _unwrap(net)
-    if net.attn_layers.window is not None:
-        raise ValueError("a windowed model's decode state is a ring of its window (memory/window_state.py); a prompt "
-                         "cache does not keep one")
     path = Path(path)
     param = next(net.parameters())
     metadata = _read_metadata(path)         # refuse a wrong file before reading its tensors
@@ -235,23 +238,36 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
         raise _corrupt(path, f"tensor {error} is missing") from error
     b = k.shape[1] if k.ndim == 5 else -1
     n = length - net.num_memory_tokens
-    if (k.ndim != 5 or v.ndim != 5 or k.shape[3] != length or v.shape[:4] != k.shape[:4]
-            or tuple(pos.shape) != (b, length) or tuple(mask.shape) != (b, length) or mask.dtype != torch.bool
+    window = layout.get("window")
+    if (window is None) != (net.attn_layers.window is None) or (window is not None and not isinstance(window, dict)):
+        raise _corrupt(path, "its decode-state kind (a window's ring or not) does not fit this model")
+    slots = k.shape[3] if window is not None and k.ndim == 5 else length     # a ring keeps all its slots
+    if (k.ndim != 5 or v.ndim != 5 or k.shape[3] != slots or v.shape[:4] != k.shape[:4]
+            or tuple(pos.shape) != (b, slots) or tuple(mask.shape) != (b, slots) or mask.dtype != torch.bool
             or tuple(prompt.shape) != (b, n)):
         raise _corrupt(path, f"tensor shapes do not agree with length {length}")
     if not isinstance(max_len, int) or max_len < n:
         raise ValueError(f"max_len must be an integer >= the cached prompt length ({n}), got {max_len!r}")
-    state = net.new_state(b, max_len, dtype=k.dtype, device=k.device)
-    if state.k.shape[:3] + state.k.shape[4:] != k.shape[:3] + k.shape[4:] or state.v.shape[4] != v.shape[4]:
+    history = {} if window is None else {"history": window.get("history")}
+    state = net.new_state(b, max_len, dtype=k.dtype, device=k.device, **history)
+    if (state.k.shape[:3] + state.k.shape[4:] != k.shape[:3] + k.shape[4:] or state.v.shape[4] != v.shape[4]
+            or (window is not None and state.slots != slots)):
         raise _corrupt(path, f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit this model")
-    state.k[:, :, :, :length], state.v[:, :, :, :length] = k, v
-    state.pos[:, :length], state.mask[:, :length] = pos, mask
+    state.k[:, :, :, :slots], state.v[:, :, :, :slots] = k, v
+    state.pos[:, :slots], state.mask[:, :slots] = pos, mask
+    if window is not None:
+        kept = tensors.get("kept")
+        if kept is None or kept.shape != state.kept.shape or kept.dtype != torch.bool:
+            raise _corrupt(path, "the ring's text mask (kept) is missing or has the wrong shape")
+        state.kept.copy_(kept)
+        state.sinks_done = bool(window.get("sinks_done"))
     for i in layout.get("shift", []):
         h = tensors.get(f"shift.{i}")
-        if h is None or h.ndim != 3 or tuple(h.shape[:2]) != (b, length):
+        if h is None or h.ndim != 3 or tuple(h.shape[:2]) != (b, length if window is None else state.ring):
             raise _corrupt(path, f"token-shift history {i} is missing or has the wrong shape")
-        state.shift[int(i)] = h.new_zeros(b, state.max_len, h.shape[-1])
-        state.shift[int(i)][:, :length] = h
+        state.shift[int(i)] = h.clone() if window is not None else h.new_zeros(b, state.max_len, h.shape[-1])
+        if window is None:
+            state.shift[int(i)][:, :length] = h
     for i, free in layout.get("cross", {}).items():
         if f"cross.{i}.k" not in tensors or f"cross.{i}.v" not in tensors:
             raise _corrupt(path, f"cross-attention keys / values {i} are missing")
@@ -273,7 +289,7 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
     if not isinstance(prefix, int) or not 0 <= prefix <= length:
         raise _corrupt(path, f"bad memory-token prefix {prefix!r}")
     state.length, state.prefix = length, prefix
-    state.padded = not bool(mask.all())
+    state.padded = window is not None or not bool(mask.all())
     return state
 
 

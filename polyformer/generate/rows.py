@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..attention.kernels.dense import additive, match_heads
 from ..memory.kv_cache import DecodeState
 from ..norm import LayerNorm, RMSNorm
+from ..quantize import Int8Linear
 from . import native
 from .plan import DecodeLayout, PlainBlock
 
@@ -56,7 +57,9 @@ def _weight(module: nn.Linear, layout: DecodeLayout | None) -> Callable[[], Tens
 
 def product(module: nn.Module, layout: DecodeLayout | None) -> Product:
     """(x (b, in), out (b, out)) -> module(x): written into `out` for a linear layer (over the layout's
-    input-major copy where it keeps one), else the module's own result."""
+    input-major copy where it keeps one) or an int8 one over float32 rows, else the module's own result."""
+    if type(module) is Int8Linear:
+        return module.forward_into
     if type(module) is not nn.Linear:
         forward = module.forward
         return lambda x, out: forward(x)

@@ -100,59 +100,72 @@ class KnnStore:
                     index.add(new[h])
                     index.keep_last(self.size)
 
-    @torch.no_grad()
     def search(self, q: Tensor, topk: int) -> tuple[Tensor, Tensor]:
         """The slots (b, h, i, topk) of each query's largest inner products among its row and key
         head's entries, largest first, and whether each is a held entry (b, h, i, topk) bool."""
+        return self.search_scored(q, topk)[1:]
+
+    @torch.no_grad()
+    def search_scored(self, q: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor]:
+        """`search`, with the inner products found (b, h, i, topk) (float32, float64 for a float64 q;
+        -inf where nothing is held) first."""
         b, h, i, d = q.shape
         if self.fill is None:
             shape = (b, h, i, topk)
-            return (torch.zeros(shape, dtype=torch.long, device=q.device),
+            return (q.new_full(shape, float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32)),
+                    torch.zeros(shape, dtype=torch.long, device=q.device),
                     torch.zeros(shape, dtype=torch.bool, device=q.device))
         self._follow(q.device)
         hk = self.keys.shape[1]
         qg = q.reshape(b, hk, (h // hk) * i, d)                         # a key head's query heads together
-        if self.indexes is not None:
-            slots, valid = self._search_faiss(qg, topk)
-        else:
-            slots, valid = self._search_exact(qg, topk)
-        return slots.view(b, h, i, topk), valid.view(b, h, i, topk)
+        found = self._search_faiss(qg, topk) if self.indexes is not None else self._search_exact(qg, topk)
+        return tuple(t.view(b, h, i, topk) for t in found)
 
-    def _search_exact(self, qg: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    def _search_exact(self, qg: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor]:
         b, hk, m, _ = qg.shape
-        keys = self.keys.float().transpose(-1, -2)                       # (b, hk, d, size)
-        empty = torch.arange(self.size, device=qg.device)[None] < self.size - self.fill[:, None]
-        step = max(1, SEARCH_ELEMENTS // max(1, b * hk * self.size))
-        slots, valid = [], []
-        for start in range(0, m, step):
-            scores = qg[:, :, start:start + step].float() @ keys       # (b, hk, chunk, size)
-            scores.masked_fill_(empty[:, None, None], float("-inf"))
-            top = scores.topk(topk, dim=-1)
-            slots.append(top.indices)
-            valid.append(top.values > float("-inf"))
-        return torch.cat(slots, dim=2), torch.cat(valid, dim=2)
+        fill = self.fill.tolist()
+        start = self.size - max(max(fill), topk)                         # the columns any row holds
+        dtype = torch.promote_types(qg.dtype, torch.float32)
+        keys = self.keys[:, :, start:].to(dtype).transpose(-1, -2)     # (b, hk, d, size - start)
+        empty = None
+        if min(fill) < self.size - start:
+            empty = torch.arange(start, self.size, device=qg.device)[None] < self.size - self.fill[:, None]
+        step = max(1, SEARCH_ELEMENTS // max(1, b * hk * keys.shape[-1]))
+        found = []
+        for first in range(0, m, step):
+            scores = qg[:, :, first:first + step].to(dtype) @ keys     # (b, hk, chunk, size - start)
+            if empty is not None:
+                scores.masked_fill_(empty[:, None, None], float("-inf"))
+            found.append(scores.topk(topk, dim=-1))
+        values, slots = torch.cat([t.values for t in found], dim=2), torch.cat([t.indices for t in found], dim=2)
+        return values, slots + start, values > float("-inf")
 
-    def _search_faiss(self, qg: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    def _search_faiss(self, qg: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor]:
         b, hk, m, _ = qg.shape
+        scores = qg.new_full((b, hk, m, topk), float("-inf"), dtype=torch.float32)
         ids = torch.full((b, hk, m, topk), -1, dtype=torch.long, device=qg.device)
         for r in range(b):
             for h, index in enumerate(self.indexes[r]):
                 if len(index):
-                    ids[r, h] = index.search(qg[r, h], topk)[1].to(qg.device)
+                    scores[r, h], ids[r, h] = (t.to(qg.device) for t in index.search(qg[r, h], topk))
         valid = ids >= 0
         slots = (self.size - self.fill[:, None, None, None] + ids).masked_fill(~valid, 0)
-        return slots, valid
+        return scores, slots, valid
 
-    def entries(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys (b, h, i, k, d) and values (b, h, i, k, dv) at slots (b, h, i, k)."""
+    def entries(self, slots: Tensor, keys: bool = True) -> tuple[Tensor | None, Tensor]:
+        """The keys (b, h, i, k, d) (None when not keys) and values (b, h, i, k, dv) at slots (b, h, i, k)."""
+        return (self.gathered(self.keys, slots) if keys else None), self.gathered(self.values, slots)
+
+    @staticmethod
+    def gathered(stored: Tensor, slots: Tensor) -> Tensor:
+        """stored (b, hk, size, e) at slots (b, h, i, k) -> (b, h, i, k, e); query head h reads key head
+        h // (h / hk)."""
         b, h = slots.shape[:2]
-        hk = self.keys.shape[1]
+        hk, size = stored.shape[1:3]
         heads = torch.arange(h, device=slots.device) // (h // hk)
-        base = (torch.arange(b, device=slots.device)[:, None] * hk + heads) * self.size      # (b, h)
+        base = (torch.arange(b, device=slots.device)[:, None] * hk + heads) * size      # (b, h)
         at = (slots + base[:, :, None, None]).flatten()         # one flat gather: faster than 3-d indexing
-        keys = self.keys.reshape(-1, self.keys.shape[-1]).index_select(0, at)
-        values = self.values.reshape(-1, self.values.shape[-1]).index_select(0, at)
-        return keys.view(*slots.shape, -1), values.view(*slots.shape, -1)
+        return stored.reshape(-1, stored.shape[-1]).index_select(0, at).view(*slots.shape, -1)
 
     # --- saving -------------------------------------------------------------------------------
 

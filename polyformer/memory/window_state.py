@@ -46,7 +46,7 @@ class WindowState(DecodeState):
         self._new: tuple[Tensor, Tensor] = (self.pos[:, :0], self.mask[:, :0])
         self._in_place = True
         self._sink: tuple[Tensor, Tensor, Tensor] | None = None     # this step's sink keys: rows, columns, slots
-        self._sinks_done = sinks == 0           # every row is past its sinks: no step has any
+        self.sinks_done = sinks == 0           # every row is past its sinks: no step has any
 
     @property
     def max_len(self) -> int:
@@ -77,7 +77,7 @@ class WindowState(DecodeState):
         mask = torch.ones_like(pos, dtype=torch.bool) if mask is None else mask.expand(self.batch, -1)
         self._new, self.pending, self._in_place = (pos, mask), n, n <= self.history + 1
         self._sink = None
-        if not self._sinks_done:
+        if not self.sinks_done:
             rows, cols = ((pos < self.sinks) & mask).nonzero(as_tuple=True)
             if len(rows):
                 self._sink = (rows, cols, pos[rows, cols])
@@ -143,9 +143,9 @@ class WindowState(DecodeState):
             self._write_positions()
         m, at = self._tail()
         self.kept[:, self._ring_slots(self.length + self.pending - m, m)] = self._new[1][:, -m:]
-        if not self._sinks_done:
+        if not self.sinks_done:
             pos, mask = self._new
-            self._sinks_done = bool(((pos[:, -1] >= self.sinks - 1) & mask[:, -1]).all())
+            self.sinks_done = bool(((pos[:, -1] >= self.sinks - 1) & mask[:, -1]).all())
         self.length += self.pending
         self.pending, self._sink, self._in_place = 0, None, True
 
@@ -173,7 +173,7 @@ class WindowState(DecodeState):
                 self.mask[:, : self.sinks] &= seen & self.kept[:, last, None]
             else:
                 self.mask[:, : self.sinks] = False
-            self._sinks_done = False
+            self.sinks_done = False
 
     def slide(self, n: int, keep: int = 0) -> None:
         raise ValueError("a window decode state is a ring: it keeps the window by itself and never slides")

@@ -24,6 +24,8 @@ MODELS = {
     "shift_tokens+num_memory_tokens": dict(shift_tokens=1, num_memory_tokens=2),
     "performer": dict(attn_performer=True, attn_performer_features=8, attn_performer_chunk=4),
     "rfa_gate": dict(attn_rfa=True, attn_rfa_gate=True, rotary_pos_emb=True),
+    "window": dict(attn_window=4, rotary_pos_emb=True),          # a ring of 4 (+ 1) slots: 9 prompt tokens wrap it
+    "window_sink_shift": dict(attn_window=3, attn_sink_tokens=1, alibi_pos_emb=True, shift_tokens=1),
 }
 STEPS = 6
 

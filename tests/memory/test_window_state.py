@@ -11,7 +11,6 @@ from torch.testing import assert_close
 
 from polyformer import AutoregressiveWrapper
 from polyformer.generate.beam import beam_search
-from polyformer.generate.prompt_cache import save_prompt_cache
 from polyformer.generate.speculative import speculative_generate
 from polyformer.memory.kv_cache import DecodeState
 from polyformer.memory.window_state import WindowState
@@ -145,7 +144,7 @@ def test_beam_search_with_a_window_equals_an_uncached_reference():
         assert float(result.beam_scores[0, j]) == pytest.approx(score, abs=1e-4)
 
 
-def test_a_window_state_never_slides_and_a_plain_state_or_a_prompt_cache_is_refused(tmp_path):
+def test_a_window_state_never_slides_and_a_plain_state_is_refused():
     net = lm(**CASES["rotary"])
     state = net.new_state(1, 4)
     with pytest.raises(ValueError, match="ring"):
@@ -153,7 +152,3 @@ def test_a_window_state_never_slides_and_a_plain_state_or_a_prompt_cache_is_refu
     plain = DecodeState(2, 1, 6, *net.attn_layers.blocks[0].branch.decode_dims)
     with pytest.raises(ValueError, match="ring state"):
         AutoregressiveWrapper(net).generate(ids(1, 4, 32), 8, temperature=0.0, state=plain)
-    prompt = ids(1, 3, 32)
-    net(prompt, state=state)
-    with pytest.raises(ValueError, match="prompt cache"):
-        save_prompt_cache(tmp_path / "cache.safetensors", net, state, prompt)

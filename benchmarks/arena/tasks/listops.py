@@ -121,7 +121,9 @@ def markdown(rec: dict[str, Any]) -> str:
              record.fmt(r["train"]["final_loss"])] for name, r in rec["rows"].items()]
     return (f"# ListOps\n\n{DESCRIPTION}. Expressions of {s['min_len']}-{s['max_len']} tokens (depth up to "
             f"{s['max_depth']}, up to {s['max_args']} arguments), {s['train_examples']:,} training and "
-            f"{s['test_examples']} held-out examples; majority class: {rec.get('majority', float('nan')):.3f}. "
+            f"{s['test_examples']} held-out examples; majority class: {rec.get('majority', float('nan')):.3f}; "
+            f"the training set's most common answer per outermost operator (no model reads more): "
+            f"{rec.get('operator_majority', float('nan')):.3f}. "
             f"Encoder dim {s['dim']}, depth {s['depth']}, {s['heads']} heads, "
             + ("the first position's output (the outermost operator; LRA's CLS pooling)" if s["pool"] == "first"
                else "mean-pooled over the real tokens")
@@ -140,6 +142,7 @@ def plot(rec: dict[str, Any], out_dir: Path) -> list[str]:
     names = list(rec["rows"])
     left.barh(names, [rec["rows"][n]["accuracy"] for n in names])
     left.axvline(rec.get("majority", 0), color="grey", linestyle=":", label="majority class")
+    left.axvline(rec.get("operator_majority", 0), color="grey", linestyle="--", label="majority per operator")
     left.set_xlabel("accuracy"); left.legend(fontsize=7)
     for n in names:
         steps, losses = zip(*rec["rows"][n]["train"]["losses"]) if rec["rows"][n]["train"]["losses"] else ((), ())
@@ -158,4 +161,15 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     labels = torch.tensor([label for _, label in test_set])
     rows = run_rows("listops", variants, lambda v: run_variant(v, s, budget, train_set, test_set, log), log)
     majority = float(torch.bincount(labels, minlength=listops.NUM_CLASSES).max()) / len(labels)
-    return record.save(out_dir, "listops", s, rows, markdown, plot, extra={"majority": majority})
+    return record.save(out_dir, "listops", s, rows, markdown, plot,
+                       extra={"majority": majority, "operator_majority": operator_majority(train_set, test_set)})
+
+
+def operator_majority(train_set: list, test_set: list) -> float:
+    """Held-out accuracy of answering each expression with the training set's most common answer for its
+    outermost operator: what a model that reads only the first token can reach."""
+    answers: dict[str, list[int]] = {}
+    for tokens, label in train_set:
+        answers.setdefault(tokens[0], []).append(label)
+    best = {op: max(set(found), key=found.count) for op, found in answers.items()}
+    return sum(best.get(tokens[0]) == label for tokens, label in test_set) / len(test_set)

@@ -37,20 +37,15 @@ compiling first builds it too. Where it cannot be built, one warning says why an
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import shutil
-import sys
-import threading
-import warnings
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import Tensor
 
 from ...autodiff import deeper, transformed
+from ...native_build import Lazy, cache_name, load_extension
 
 SWITCH = "POLYFORMER_CPU_ATTENTION"
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_backward.cpp", "cpu_module.cpp")]
@@ -63,8 +58,6 @@ LONGEST_INFERENCE = 4096   # keys; past it ATen's forward is as fast or faster (
 FEW_QUERIES = 4            # queries up to which inference keeps SDPA, at any length (see applies)
 KEEP_KEYS = 512            # keys up to which training keeps the weights for the backward (see keeps)
 KEEP_BYTES = 256 * 2**20   # and the most memory one call's kept weights may take
-_lock = threading.Lock()
-_built: dict[str, Any] = {}                 # "module" once built, "error" once failed
 _off = [0]                                  # depth of `switched_off()` blocks
 _recompute = [0]                            # depth of `recomputed_weights()` blocks
 
@@ -132,58 +125,24 @@ def keeps(q: Tensor, k: Tensor, causal: bool, window: int = 0) -> bool:
     return b * h * kept_floats(i, k.shape[-2], causal, window) * 4 <= KEEP_BYTES
 
 
-def extension() -> Any | None:
-    """The compiled module, built on first call; None (after one warning) where it cannot be built."""
-    if "module" in _built or "error" in _built:
-        return _built.get("module")
-    with _lock:
-        if "module" not in _built and "error" not in _built:
-            try:
-                _built["module"] = build()
-            except Exception as error:      # no compiler, no BLAS symbols, unwritable cache ...
-                _built["error"] = error
-                warnings.warn(f"polyformer's CPU attention kernel could not be built ({error!s:.300}); "
-                              "scaled_dot_product_attention runs instead", RuntimeWarning, stacklevel=3)
-    return _built.get("module")
-
-
-def cache_name(sources: list[Path], flags: list[str], isa: str) -> str:
-    """The build's name: the sources' bytes, the flags and torch's version decide it, so a checkout
-    with other sources never overwrites (or loads) this one's build, and every checkout of the same
-    sources shares it."""
-    digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(flags).encode() + torch.__version__.encode())
-    return f"polyformer_cpu_attention_{isa.lower()}_{digest.hexdigest()[:16]}"
-
-
 def build() -> Any:
-    from torch.utils.cpp_extension import get_default_build_root, load
-
-    if shutil.which("ninja") is None:       # the `ninja` package's binary, when its bin/ is not on PATH
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     isa = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])]
-    name = cache_name(SOURCES, flags, isa)
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-    # build from copies under the cache: two checkouts then give ninja the same paths, not a rebuild each
-    src = root / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    for path in SOURCES:
-        target = src / path.name
-        if not target.exists() or target.read_bytes() != path.read_bytes():
-            partial = target.with_name(f".{target.name}.{os.getpid()}")
-            partial.write_bytes(path.read_bytes())
-            os.replace(partial, target)
-    if not (root / f"{name}.so").exists():
-        print(f"polyformer: building the CPU attention kernel for {isa} (once per machine and source version, "
-              f"about 30 s) in {root}", file=sys.stderr, flush=True)
-    logging.getLogger("polyformer").info("loading the CPU attention kernel from %s", root)
-    return load(name=name, sources=[str(src / p.name) for p in SOURCES], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(root), verbose=False)
+    return load_extension(cache_name(f"polyformer_cpu_attention_{isa.lower()}", SOURCES, flags), SOURCES, flags,
+                          f"the CPU attention kernel for {isa}", ldflags=["-fopenmp"])
+
+
+def lazy(builder: Callable[[], Any] | None = None) -> Lazy:
+    """The kernel, built by `builder` (default `build`) on first use."""
+    return Lazy(builder or build, "CPU attention kernel", "scaled_dot_product_attention runs instead")
+
+
+_built = lazy()
+
+
+def extension() -> Any | None:
+    """The compiled module, built on first call; None (after one warning) where it cannot be built."""
+    return _built.get()
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None,
@@ -295,7 +254,7 @@ def module() -> Any:
     """The compiled module, or a RuntimeError that says why there is none."""
     built = extension()
     if built is None:
-        raise RuntimeError(f"polyformer's CPU attention kernel is not available: {_built.get('error')}")
+        raise RuntimeError(f"polyformer's CPU attention kernel is not available: {_built.error}")
     return built
 
 

@@ -22,7 +22,7 @@ from tests.helpers import emptied_pool, tiny_lm
 
 
 def test_the_kernel_builds_on_this_machine():
-    assert cpu.extension() is not None, cpu._built.get("error")
+    assert cpu.extension() is not None, cpu._built.error
 
 
 def reference(q, k, v, scale, causal):
@@ -364,11 +364,9 @@ def test_autocast_switched_off_and_the_environment_keep_sdpa(calls, monkeypatch)
 
 
 def test_a_kernel_that_cannot_be_built_warns_once_and_falls_back(monkeypatch, calls):
-    monkeypatch.setattr(cpu, "_built", {})
-
     def broken():
         raise OSError("no compiler here")
-    monkeypatch.setattr(cpu, "build", broken)
+    monkeypatch.setattr(cpu, "_built", cpu.lazy(broken))
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         out = dense_call()
     with warnings.catch_warnings():
@@ -434,18 +432,16 @@ def test_torch_compile_keeps_the_kernel_in_one_graph():
 def test_a_model_compiled_before_any_eager_call_builds_the_kernel_into_its_graph(monkeypatch, builds):
     """dynamo asks whether the kernel is built outside the graph it traces, so compiling first builds
     it; where it cannot be built, the graph keeps SDPA after one warning."""
-    monkeypatch.setattr(cpu, "_built", {})
-    if not builds:
-        def broken():
-            raise OSError("no compiler here")
-        monkeypatch.setattr(cpu, "build", broken)
+    def broken():
+        raise OSError("no compiler here")
+    monkeypatch.setattr(cpu, "_built", cpu.lazy(None if builds else broken))
     model = tiny_lm(seed=0, depth=2, max_seq_len=32).train()
     x = torch.randint(0, model.num_tokens, (2, 32), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, graphs, kernels = compiled_call(model, x)
     assert graphs == 1 and kernels == (2 if builds else 0)
-    assert ("module" in cpu._built) == builds
+    assert (cpu._built.module is not None) == builds
     assert sum("no compiler here" in str(w.message) for w in caught) == (0 if builds else 1)
     assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
@@ -568,7 +564,9 @@ def test_frozen_inputs_and_a_broadcast_output_gradient():
 
 
 def test_a_missing_kernel_is_a_clear_error_when_called_directly(monkeypatch):
-    monkeypatch.setattr(cpu, "_built", {"error": OSError("no compiler here")})
+    missing = cpu.lazy()
+    missing.error = OSError("no compiler here")
+    monkeypatch.setattr(cpu, "_built", missing)
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="not available: no compiler here"):
         cpu.attention(q, q, q, 0.3, True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 from polyformer.attention.kernels import cpu
+from polyformer.native_build import cache_name
 
 
 def test_the_build_name_follows_the_sources_bytes_not_their_place(tmp_path):
@@ -15,11 +16,10 @@ def test_the_build_name_follows_the_sources_bytes_not_their_place(tmp_path):
         for path in cpu.SOURCES:
             shutil.copy(path, folder / path.name)
     flags = ["-O3"]
-    here = cpu.cache_name(list(cpu.SOURCES), flags, "AVX2")
-    assert cpu.cache_name([one / p.name for p in cpu.SOURCES], flags, "AVX2") == here
-    assert cpu.cache_name([two / p.name for p in cpu.SOURCES], flags, "AVX2") == here
+    here = cache_name("avx2", list(cpu.SOURCES), flags)
+    assert cache_name("avx2", [one / p.name for p in cpu.SOURCES], flags) == here
+    assert cache_name("avx2", [two / p.name for p in cpu.SOURCES], flags) == here
     edited = two / cpu.SOURCES[0].name
     edited.write_bytes(edited.read_bytes() + b"\n// changed\n")
-    assert cpu.cache_name([two / p.name for p in cpu.SOURCES], flags, "AVX2") != here
-    assert cpu.cache_name(list(cpu.SOURCES), ["-O2"], "AVX2") != here
-    assert cpu.cache_name(list(cpu.SOURCES), flags, "AVX512") != here
+    assert cache_name("avx2", [two / p.name for p in cpu.SOURCES], flags) != here
+    assert cache_name("avx2", list(cpu.SOURCES), ["-O2"]) != here

@@ -17,7 +17,7 @@ from polyformer.attention.kernels import cpu
 
 
 def test_the_kernel_builds_on_this_machine():
-    assert cpu.extension() is not None, cpu._built.get("error")
+    assert cpu.extension() is not None, cpu._built.error
 
 
 def banded(q, k, v, scale, window, causal):
