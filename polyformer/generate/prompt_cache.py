@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - exercised only without the optional ex
     SafetensorError = OSError
 
 FORMAT = "polyformer.prompt_cache"
-VERSION = 1
+VERSION = 2          # 2: kernel-attention summaries carry the keys' mass "n"; window states keep their ring
 
 
 def _need_safetensors() -> None:

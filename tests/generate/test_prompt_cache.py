@@ -167,6 +167,12 @@ def test_missing_truncated_and_foreign_files_are_refused(tmp_path):
         load_prompt_cache(bad, net, max_len=10)
     with pytest.raises(ValueError, match="max_len"):
         load_prompt_cache(path, net, max_len=5)
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:     # a cache of version 1 (summaries without the keys' mass)
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, {**f.metadata(), "version": "1"}
+    save_file(tensors, str(bad), metadata=metadata)
+    with pytest.raises(ValueError, match="format version '1'; this polyformer reads version 2"):
+        load_prompt_cache(bad, net, max_len=10)
 
 
 def test_bad_save_arguments(tmp_path):
