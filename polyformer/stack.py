@@ -24,8 +24,8 @@ from .moe.layer import feedforward as moe_feedforward
 from .interfaces import AttnOut, Context
 from .keywords import parse_layers
 from .losses import AuxLosses
-from .memory.window_state import window_state
 from .memory.kv_cache import DecodeState
+from .memory.window_state import window_state
 from .registry import KERNEL, MIXER, NORM, RESIDUAL, SCORE_BIAS
 from .shift import TokenShift
 
@@ -47,7 +47,8 @@ class Intermediates:
     hiddens: list[Tensor] = field(default_factory=list)
     attn: list[Tensor] = field(default_factory=list)
     mems: list[Tensor] = field(default_factory=list)
-    losses: AuxLosses = field(default_factory=lambda: AuxLosses())   # a lambda: torch.compile cannot call the class as a factory
+    # a lambda: torch.compile cannot call the class as a factory
+    losses: AuxLosses = field(default_factory=lambda: AuxLosses())
 
 
 class Block(nn.Module):

@@ -196,7 +196,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             layers=dict(rotary_pos_emb=True), wrapper=dict(max_mem_len=128, tie_embedding=True),
             tasks=("long_text",), causal_only=True, runner="spalm"),
     Variant("knn_lm", "kNN-LM: the no_memory row's model; then a datastore on text of another kind (the stdlib's "
-            ".txt / .rst / .html files) and p = λ p_kNN + (1 - λ) p_LM on other such files (domain adaptation)", "arXiv:1911.00172",
+            ".txt / .rst / .html files) and p = λ p_kNN + (1 - λ) p_LM on other such files (domain adaptation)",
+            "arXiv:1911.00172",
             layers=dict(rotary_pos_emb=True), tasks=("long_text",), causal_only=True, runner="knn_lm"),
     Variant("memorizing", "Memorizing Transformer: block 1 also attends to its top 32 of a kNN memory of the last "
             "2048 keys / values per stream (exact search), gated per head; with the XL memory of 128",

@@ -142,7 +142,8 @@ class AutoregressiveWrapper(nn.Module):
             sampling = dict(temperature=(temperature, 1.0), filter_logits_fn=(filter_logits_fn, None),
                             repetition_penalty=(repetition_penalty, 1.0), state=(state, None),
                             cache_kv=(cache_kv, True), generator=(generator, None), compile=(compile, False),
-                            amateur_model=(amateur_model, None), contrastive_decode_kwargs=(contrastive_decode_kwargs, None))
+                            amateur_model=(amateur_model, None),
+                            contrastive_decode_kwargs=(contrastive_decode_kwargs, None))
             clash = [name for name, (value, default) in sampling.items() if value is not default and value != default]
             if clash:
                 raise ValueError(f"num_beams={num_beams} runs beam search, which does not take {clash}")

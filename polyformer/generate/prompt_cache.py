@@ -77,22 +77,17 @@ def _differences(saved: Any, current: Any, path: tuple[str, ...] = ()) -> list[t
 
 def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The committed part of the state as named contiguous tensors, and how to put it back."""
-    n = state.length
-
     def own(x: Tensor) -> Tensor:       # a contiguous copy: slices of the preallocated storage
         return x.detach().clone(memory_format=torch.contiguous_format)
 
     ring = isinstance(state, WindowState)      # a window's ring: every slot as it is (memory/window_state.py)
-    n = state.slots if ring else n
+    n = state.slots if ring else state.length
     tensors = {"k": own(state.k[:, :, :, :n]), "v": own(state.v[:, :, :, :n]),
                "pos": own(state.pos[:, :n]), "mask": own(state.mask[:, :n])}
     for i, h in state.shift.items():
         tensors[f"shift.{i}"] = own(h if ring else h[:, :n])
-    window = None
     if ring:
         tensors["kept"] = own(state.kept)
-        window = {"sinks": state.sinks, "span": state.span, "history": state.history,
-                  "sinks_done": state.sinks_done}
     cross = {}
     for i, kv in state.cross.items():
         tensors[f"cross.{i}.k"], tensors[f"cross.{i}.v"] = own(kv.k), own(kv.v)
@@ -109,7 +104,7 @@ def _tensors(state: DecodeState) -> tuple[dict[str, Tensor], dict[str, Any]]:
             for name, x in (summary or {}).items():
                 tensors[f"recurrent.{i}.{t}.{name}"] = own(x)
     return tensors, {"shift": sorted(state.shift), "cross": cross, "prefix": state.prefix, "recurrent": recurrent,
-                     "window": window}
+                     "window": state.history if ring else None}
 
 
 def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeState, prompt: Tensor) -> None:
@@ -122,7 +117,8 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
         state: a `DecodeState` after `net(prompt, state=state)`: (b, length) committed positions.
         prompt: (b, n) the token ids that were run, n = state.length - num_memory_tokens.
 
-    The file holds k, v, pos, mask of the committed positions, the token-shift histories and the
+    The file holds k, v, pos, mask of the committed positions (a windowed model's ring: every slot and
+    its text mask `kept`, with its rollback room `history`), the token-shift histories and the
     cross-attention keys / values, with metadata: the model's config JSON and its sha256, the
     state's length and memory-token prefix, the prompt ids and the format version.
     """
@@ -238,36 +234,35 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
         raise _corrupt(path, f"tensor {error} is missing") from error
     b = k.shape[1] if k.ndim == 5 else -1
     n = length - net.num_memory_tokens
-    window = layout.get("window")
-    if (window is None) != (net.attn_layers.window is None) or (window is not None and not isinstance(window, dict)):
+    history = layout.get("window")          # a window's ring: its rollback room (None: not a ring)
+    ring = history is not None
+    if ring != (net.attn_layers.window is not None) or (ring and not (isinstance(history, int) and history >= 0)):
         raise _corrupt(path, "its decode-state kind (a window's ring or not) does not fit this model")
-    slots = k.shape[3] if window is not None and k.ndim == 5 else length     # a ring keeps all its slots
+    slots = k.shape[3] if ring and k.ndim == 5 else length     # a ring keeps all its slots
     if (k.ndim != 5 or v.ndim != 5 or k.shape[3] != slots or v.shape[:4] != k.shape[:4]
             or tuple(pos.shape) != (b, slots) or tuple(mask.shape) != (b, slots) or mask.dtype != torch.bool
             or tuple(prompt.shape) != (b, n)):
         raise _corrupt(path, f"tensor shapes do not agree with length {length}")
     if not isinstance(max_len, int) or max_len < n:
         raise ValueError(f"max_len must be an integer >= the cached prompt length ({n}), got {max_len!r}")
-    history = {} if window is None else {"history": window.get("history")}
-    state = net.new_state(b, max_len, dtype=k.dtype, device=k.device, **history)
+    state = net.new_state(b, max_len, dtype=k.dtype, device=k.device, **({"history": history} if ring else {}))
     if (state.k.shape[:3] + state.k.shape[4:] != k.shape[:3] + k.shape[4:] or state.v.shape[4] != v.shape[4]
-            or (window is not None and state.slots != slots)):
+            or (ring and state.slots != slots)):
         raise _corrupt(path, f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not fit this model")
     state.k[:, :, :, :slots], state.v[:, :, :, :slots] = k, v
     state.pos[:, :slots], state.mask[:, :slots] = pos, mask
-    if window is not None:
+    if ring:
         kept = tensors.get("kept")
         if kept is None or kept.shape != state.kept.shape or kept.dtype != torch.bool:
             raise _corrupt(path, "the ring's text mask (kept) is missing or has the wrong shape")
-        state.kept.copy_(kept)
-        state.sinks_done = bool(window.get("sinks_done"))
+        state.kept.copy_(kept)          # sinks_done stays False: the next step's commit finds it again
     for i in layout.get("shift", []):
         h = tensors.get(f"shift.{i}")
-        if h is None or h.ndim != 3 or tuple(h.shape[:2]) != (b, length if window is None else state.ring):
+        width = state.ring if ring else length          # a ring's shift history is a ring of its own
+        if h is None or h.ndim != 3 or tuple(h.shape[:2]) != (b, width):
             raise _corrupt(path, f"token-shift history {i} is missing or has the wrong shape")
-        state.shift[int(i)] = h.clone() if window is not None else h.new_zeros(b, state.max_len, h.shape[-1])
-        if window is None:
-            state.shift[int(i)][:, :length] = h
+        state.shift[int(i)] = h.new_zeros(b, state.ring if ring else state.max_len, h.shape[-1])
+        state.shift[int(i)][:, :width] = h
     for i, free in layout.get("cross", {}).items():
         if f"cross.{i}.k" not in tensors or f"cross.{i}.v" not in tensors:
             raise _corrupt(path, f"cross-attention keys / values {i} are missing")
@@ -289,7 +284,7 @@ def _rebuild(path: Path, net: TransformerWrapper, tensors: dict[str, Tensor], la
     if not isinstance(prefix, int) or not 0 <= prefix <= length:
         raise _corrupt(path, f"bad memory-token prefix {prefix!r}")
     state.length, state.prefix = length, prefix
-    state.padded = window is not None or not bool(mask.all())
+    state.padded = ring or not bool(mask.all())
     return state
 
 

@@ -36,7 +36,7 @@ def check_restrict(wrapper: nn.Module, restrict: bool | None, n: int, seq_len: i
         reason = f"its attention window (sinks, span) = {layers.window} reaches past the last max_seq_len tokens"
     elif layers.hourglass is not None or net.landmarks is not None:
         reason = "its decode state (hourglass / landmarks) cannot drop single tokens"
-    elif any(kind == "recurrent" for kind in net.new_state(1, 1).kinds):
+    elif any(b.branch.decode_kind == "recurrent" for b in layers.blocks if b.kind == "a"):
         reason = "a recurrent summary cannot forget the tokens it summarised"
     if reason is not None:
         raise ValueError(f"restrict_to_max_seq_len=True with cache_kv=True cannot drop the tokens before the last "

@@ -70,6 +70,33 @@ def test_loaded_cache_continues_like_from_scratch(name, n, tmp_path):
     assert torch.equal(continue_greedy(net, state, prompt, STEPS), scratch)
 
 
+@pytest.mark.parametrize("name", ["window", "window_sink_shift"])
+def test_restored_ring_decodes_bit_equal_to_the_uninterrupted_one(name, tmp_path):
+    """A wrapped ring (left-padded row, sinks, token shift) saved and loaded holds the same slots, and
+    in-place steps, longer ones, a rollback and more wrapping give the same logits bit for bit."""
+    net = build(name)
+    prompts = ids(2, 9, 32, seed=3)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :4] = False
+    state = net.new_state(2, 9, history=2)
+    net(prompts, mask=mask, pos=left_padded_positions(mask), state=state)
+    path = tmp_path / "ring.safetensors"
+    save_prompt_cache(path, net, state, prompts)
+    loaded, _ = load_prompt_cache(path, net, max_len=9)
+    for field in ("k", "v", "pos", "mask", "kept"):
+        assert torch.equal(getattr(loaded, field), getattr(state, field)), field
+    assert loaded.shift.keys() == state.shift.keys()
+    assert all(torch.equal(loaded.shift[i], h) for i, h in state.shift.items())
+    forced, start = ids(2, 20, 32, seed=8), 0
+    for size in (1, 3, 1, 5, 2, 1, 6, 1):              # 3 = history + 1 in place; 5, 6 attend slots + own keys
+        step = forced[:, start: start + size]
+        assert torch.equal(net(step, state=loaded), net(step, state=state))
+        start += size
+        if size == 2:
+            state.rollback(2)
+            loaded.rollback(2)
+
+
 def test_generate_continues_a_loaded_cache(tmp_path):
     """The same through `AutoregressiveWrapper.generate(state=...)`: the state lacks the logits
     after the prompt, so roll back the last prompt token and pass it as the prompt."""

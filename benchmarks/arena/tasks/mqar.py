@@ -75,8 +75,8 @@ def accuracy(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 def run_width(v: Variant, s: dict[str, Any], width: int, budget: Budget, data: tuple[torch.Tensor, ...],
               log: Callable[[str], None]) -> dict[str, Any]:
     train_x, train_y, test_x, test_y = data
-    model = build_model(positioned(v, s["positions"]), num_tokens=s["vocab"], max_seq_len=s["seq_len"], dim=width, depth=s["depth"],
-                        heads=s["heads"], causal=True, seed=s["seed"])
+    model = build_model(positioned(v, s["positions"]), num_tokens=s["vocab"], max_seq_len=s["seq_len"], dim=width,
+                        depth=s["depth"], heads=s["heads"], causal=True, seed=s["seed"])
     per_epoch = len(train_x) // s["batch"]
 
     @lru_cache(maxsize=1)
@@ -125,7 +125,8 @@ def markdown(rec: dict[str, Any]) -> str:
             f"from separate halves); accuracy over the queries of {s['test_examples']} held-out examples. "
             + ("Learned absolute positions in every row (in place of rotary, as Zoology's models), "
                if s["positions"] == "learned" else "Each variant's own positions, ")
-            + f"{s['depth']} layers, {s['heads']} heads, {s['train_examples']:,} training examples, batch {s['batch']}, "
+            + f"{s['depth']} layers, {s['heads']} heads, {s['train_examples']:,} training examples, "
+            f"batch {s['batch']}, "
             f"{Budget(**s['budget']).describe()} per model at most, AdamW lr {s['lr']}, seed {s['seed']}; "
             "as in Zoology, "
             f"training stops once the held-out accuracy (checked every {s['check_every']} steps) reaches "

@@ -160,8 +160,8 @@ def markdown(rec: dict[str, Any]) -> str:
     if spalm:
         table = [[f"`{k}`", f"{r['datastore']['entries']:,}", r["datastore"]["index"], str(r["datastore"]["k"]),
                   str(r["datastore"]["switch_step"]), f"{r['datastore']['build_s']:.0f}"] for k, r in spalm.items()]
-        parts.append("\n\n## SPALM's datastore\n\nTrained as Transformer-XL until the switch step, then as SPALM with a "
-                     "datastore of the text read so far, keyed by a frozen copy of the model then (benchmarks/arena/"
+        parts.append("\n\n## SPALM's datastore\n\nTrained as Transformer-XL until the switch step, then as SPALM "
+                     "with a datastore of the text read so far, keyed by a frozen copy of the model then (benchmarks/arena/"
                      "tasks/retrieval.py); the text after the switch and the held-out text are not in it. Parameters "
                      "count the trained model and the gate, not the frozen key model.\n\n"
                      + markdown_table(["variant", "entries", "index", "k", "switch step", "build s"], table))
@@ -171,8 +171,8 @@ def markdown(rec: dict[str, Any]) -> str:
         table = [[f"`{k}`", f"{r['entries']:,}", f"{r['lm_loss']:.4f}"]
                  + [f"{r['knn_loss'][lam]:.4f}" if lam in r["knn_loss"] else "–" for lam in lams]
                  + [f"{r['ms_per_token']:.2f}"] for k, r in knn.items()]
-        parts.append("\n\n## kNN-LM: domain adaptation\n\nThe row's model (trained on Python code, as `no_memory`) on text "
-                     "of another kind it never trained on (the standard library's .txt / .rst / .html files): a "
+        parts.append("\n\n## kNN-LM: domain adaptation\n\nThe row's model (trained on Python code, as "
+                     "`no_memory`) on text of another kind it never trained on (the standard library's .txt / .rst / .html files): a "
                      "datastore over some of those files, the loss (nats per byte) on others, the LM alone and "
                      "interpolated with λ; its table row above is the LM alone on the held-out code.\n\n"
                      + markdown_table(["variant", "datastore entries", "LM alone"] + [f"λ = {lam}" for lam in lams]

@@ -1,0 +1,34 @@
+"""The arena's records: rows keep the thread count they were timed with, and a table names the rows whose
+speed another count makes incomparable; ListOps' per-operator majority is the held-out accuracy of answering
+with the training set's most common result for the outermost operator."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks.arena import record
+from benchmarks.arena.tasks.listops import operator_majority
+
+
+def test_rows_keep_their_thread_count_and_odd_ones_are_named(tmp_path):
+    old = {"task": "t", "settings": {"a": 1}, "environment": {"torch_threads": 2}, "rows": {"x": {"loss": 1.0}}}
+    (tmp_path / "t.json").write_text(json.dumps(old))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rec = record.merge(tmp_path, "t", {"a": 1}, {"y": {"loss": 2.0}, "z": {"loss": 3.0}})
+    finally:
+        torch.set_num_threads(before)
+    assert rec["rows"]["x"]["threads"] == 2                 # an older row: its record's count
+    assert rec["rows"]["y"]["threads"] == rec["rows"]["z"]["threads"] == 1
+    record.write(tmp_path, rec, "| table |", [])
+    footer = (tmp_path / "t.md").read_text()
+    assert "1 torch threads" in footer and "`x` (2)" in footer and "`y`" not in footer.split("comparable")[1]
+
+
+def test_operator_majority_answers_with_each_operators_most_common_result():
+    train = [(["[MAX", "1"], 9), (["[MAX", "2"], 9), (["[MAX", "3"], 8), (["[MIN", "4"], 0)]
+    test = [(["[MAX", "5"], 9), (["[MAX", "6"], 8), (["[MIN", "7"], 0), (["[SM", "8"], 3)]
+    assert operator_majority(train, test) == 2 / 4          # MAX -> 9 right once, MIN -> 0 right, SM unseen
