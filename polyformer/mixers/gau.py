@@ -7,9 +7,9 @@ of size s (φ = SiLU), and Q, K per-dimension scales and offsets of Z (rotated w
 
 over the keys j query i sees (j ≤ i in a Decoder; kept keys only). The paper's pseudo-code divides the
 scores by the length n inside relu²; N_i, the count of keys query i sees, is that n in an unpadded
-Encoder and, unlike n, known to a decoder at every step. No further score scale, as in the paper. gau_chunk switches to FLASH's mixed
-chunk attention (gau_chunked.py). The paper's relative position bias is not carried (rel_pos_bias is
-refused); rotary_pos_emb gives the positions."""
+Encoder and, unlike n, known to a decoder at every step. No further score scale, as in the paper.
+gau_chunk switches to FLASH's mixed chunk attention (gau_chunked.py). The paper's relative position
+bias is not carried (rel_pos_bias is refused); rotary_pos_emb gives the positions."""
 
 from __future__ import annotations
 

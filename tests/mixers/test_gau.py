@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 from polyformer import AttentionLayers, Decoder, Encoder
 from polyformer.interfaces import Context
+from polyformer.mixers import gau_chunked as chunked
 from tests.options import perturb
 
 DIM, S = 8, 6
@@ -112,6 +113,25 @@ def test_one_chunk_covering_the_sequence_is_the_quadratic_unit(rotary):
         enc_chunked.gamma[2:] = 0.0
         enc_chunked.beta[2:] = 0.0
     assert_close(run(enc_chunked, x, pos, None, False).out, run(enc_plain, x, pos, None, False).out)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [9, 11])                 # whole chunks of 3 (views), and a partial last chunk
+def test_unpadded_rows_from_position_zero_equal_the_placed_layout(causal, n):
+    """mixed_chunk's shortcut for keep=None at positions 0 .. n - 1 (the layout is the input itself) gives
+    the output and the decode summary of the general path, taken here by an all-True keep mask."""
+    torch.manual_seed(0)
+    qq, ql, kq, kl = (torch.randn(2, n, S, dtype=torch.float64) for _ in range(4))
+    v, pos = torch.randn(2, n, 5, dtype=torch.float64), torch.arange(n)[None]
+    fast, fast_summary = chunked.mixed_chunk(qq, ql, kq, kl, v, pos, None, 3, causal)
+    general, summary = chunked.mixed_chunk(qq, ql, kq, kl, v, pos, torch.ones(2, n, dtype=torch.bool), 3, causal)
+    assert_close(fast, general, rtol=1e-12, atol=1e-12)
+    if causal:
+        assert fast_summary.keys() == summary.keys()
+        for name in summary:
+            assert_close(fast_summary[name], summary[name], rtol=1e-12, atol=1e-12)
+    else:
+        assert fast_summary is None and summary is None
 
 
 @pytest.mark.parametrize("chunk", [None, 3])

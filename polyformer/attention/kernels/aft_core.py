@@ -43,6 +43,14 @@ def divide(num: Tensor, den: Tensor) -> Tensor:
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
+def join(x: Sums, y: Sums) -> Sums:
+    """The sums of two sets of keys, x's and y's, relative to the larger of their maxima."""
+    top = torch.maximum(x[2], y[2])
+    safe = _finite(top)
+    a, c = (x[2] - safe).exp(), (y[2] - safe).exp()
+    return x[0] * a + y[0] * c, x[1] * a + y[1] * c, top
+
+
 def summary(k: Tensor, v: Tensor) -> Sums:
     """The sums over all keys k, v (b, g, j, d), relative to their maximum: each (b, g, 1, d)."""
     b, g, _, d = k.shape
@@ -66,17 +74,12 @@ def scan(k: Tensor, v: Tensor, start: Sums, chunk: int) -> Sums:
     top = run[:, :, :, -1]                                                # (b, g, C, d)
     e = (k - _finite(top)[:, :, :, None]).exp()
     part_num, part_den = (e * v).sum(3), e.sum(3)
-    num, den, seen = (t[:, :, 0] for t in start)
+    sums = tuple(t[:, :, 0] for t in start)
     carried = []
     # the sums before each chunk; unbind, not indexing: one backward for all chunks, not a full-size one each
-    for c_top, c_num, c_den in zip(top.unbind(2), part_num.unbind(2), part_den.unbind(2)):
-        carried.append((num, den, seen))
-        both = torch.maximum(seen, c_top)
-        safe = _finite(both)
-        mine, theirs = (seen - safe).exp(), (c_top - safe).exp()
-        num = num * mine + c_num * theirs
-        den = den * mine + c_den * theirs
-        seen = both
+    for part in zip(part_num.unbind(2), part_den.unbind(2), top.unbind(2)):
+        carried.append(sums)
+        sums = join(sums, part)
     s_num, s_den, s_max = (torch.stack(t, 2) for t in zip(*carried))     # (b, g, C, d)
     ref = torch.maximum(run, s_max[:, :, :, None])                        # per key: the running maximum
     safe = _finite(ref)
@@ -114,10 +117,7 @@ def windowed(k: Tensor, v: Tensor, free: int, i: int, window: int, causal: bool,
         den = pre[1][:, :, lo] + post[1][:, :, hi] + ef.sum(2, keepdim=True)
     if window == 0:
         return num, den
-    n_num, n_den, n_ref = near(kp, vp, i, window, causal, bias, chunk)
-    ref = _finite(torch.maximum(top, n_ref))
-    mine, theirs = (top - ref).exp(), (n_ref - ref).exp()
-    return num * mine + n_num * theirs, den * mine + n_den * theirs
+    return join((num, den, top), near(kp, vp, i, window, causal, bias, chunk))[:2]
 
 
 def near(k: Tensor, v: Tensor, i: int, window: int, causal: bool, bias: Bias, block: int) -> Sums:
@@ -150,11 +150,7 @@ def near(k: Tensor, v: Tensor, i: int, window: int, causal: bool, bias: Bias, bl
         e = (x - _finite(own)[..., None, :]).exp()
         sums = ((e * vo[:, :, :, None]).sum(-2), e.sum(-2), own)
         if before:
-            earlier = _product(*_slots(k, v, first, before, L, C), w[..., :before])
-            ref = torch.maximum(earlier[2], own)
-            safe = _finite(ref)
-            a, c = (earlier[2] - safe).exp(), (own - safe).exp()
-            sums = (earlier[0] * a + sums[0] * c, earlier[1] * a + sums[1] * c, ref)
+            sums = join(_product(*_slots(k, v, first, before, L, C), w[..., :before]), sums)
     return tuple(t.reshape(b, g, C * L, d)[:, :, :i] for t in sums)
 
 

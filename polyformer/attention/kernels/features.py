@@ -139,14 +139,17 @@ class Fourier(nn.Module):
     def advance(self) -> None:
         pass
 
+    def sigma(self, heads: int) -> Tensor:
+        """σ per query head (heads,): its kv head's."""
+        return self.log_sigma.exp().repeat_interleave(heads // self.log_sigma.shape[0])
+
     def floor(self, heads: int) -> Tensor:
         """exp(-2 / σ²) per query head (heads,): the least value of the kernel of unit vectors."""
-        sigma = self.log_sigma.exp().repeat_interleave(heads // self.log_sigma.shape[0])
-        return (-2 / sigma.square()).exp()
+        return (-2 / self.sigma(heads).square()).exp()
 
     def query(self, x: Tensor) -> Tensor:
         """φ(x) of x (b, heads, n, d), each head with its kv head's σ."""
-        sigma = self.log_sigma.exp().repeat_interleave(x.shape[1] // self.log_sigma.shape[0])[:, None, None]
+        sigma = self.sigma(x.shape[1])[:, None, None]
         u = F.normalize(x, dim=-1) @ self.omega.to(x.dtype).T / sigma.to(x.dtype)
         return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.omega.shape[0])
 

@@ -157,7 +157,8 @@ class Performer(KernelAttention):
         found = []
         if options.kernel not in ("softmax", "relu"):
             found.append(f"attn_performer_kernel must be 'softmax' or 'relu', got {options.kernel!r}")
-        return (found + checks.whole(options.redraw, "attn_performer_redraw", 0) + checks.whole(options.features, "attn_performer_features", optional=True)
+        return (found + checks.whole(options.redraw, "attn_performer_redraw", 0)
+                + checks.whole(options.features, "attn_performer_features", optional=True)
                 + checks.whole(options.chunk, "attn_performer_chunk"))
 
 

@@ -26,7 +26,9 @@ from torch import Tensor
 
 from .dense import causal_keep
 
-Summary = dict[str, Tensor]     # "kv" (b, h, m, dv), "k" (b, h, m), "n" (b, h), "max" (b, h): Σ e^{a_j - max} ψ(k_j) v_jᵀ, ...
+# "kv" (b, h, m, dv), "k" (b, h, m), "n" (b, h), "max" (b, h): Σ e^{a_j - max} ψ(k_j) v_jᵀ,
+# Σ e^{a_j - max} ψ(k_j), the keys' mass Σ e^{a_j - max}, and max
+Summary = dict[str, Tensor]
 
 
 def _finite(x: Tensor) -> Tensor:
@@ -156,7 +158,7 @@ def _chunks(q: Tensor, k: Tensor, a: Tensor, v: Tensor, decay: Tensor | None, st
     own = run[..., -1]                                                         # (b, h, C)
     e = (a - _finite(own)[..., None]).exp()
     kw = k * e[..., None]
-    U_kv, U_k, U_n = kw.transpose(-1, -2) @ v, kw.sum(-2), e.sum(-1)           # (b, h, C, m, dv), (b, h, C, m), (b, h, C)
+    U_kv, U_k, U_n = kw.transpose(-1, -2) @ v, kw.sum(-2), e.sum(-1)       # (b, h, C, m, dv), (b, h, C, m), (b, h, C)
     shift = D[..., -1] if decay is not None else None
     # the carried summary before each chunk, and its maximum, in the frame of the chunk's start; the
     # loop touches (b, h, m, dv) tensors only (unbind: one backward for all chunks, not one per chunk)

@@ -70,7 +70,7 @@ def test_soft_mask_is_the_formula():
 
 @pytest.mark.parametrize("case", ["plain", "padding", "memory_kv", "keys_before_queries"])
 def test_equals_the_explicit_soft_masked_softmax_in_float64(case):
-    k = kernel(fractions=[0.0, 0.9, 0.45])                   # spans 0, 7.2, 3.6 (+ ramp 3): 11 keys, the last at m = 0.07
+    k = kernel(fractions=[0.0, 0.9, 0.45])        # spans 0, 7.2, 3.6 (+ ramp 3): 11 keys, the last at m = 0.07
     free = 2 if case == "memory_kv" else 0
     j = 26 if case == "keys_before_queries" else 20
     q, keys, values = qkv(i=20, j=j + free)

@@ -16,6 +16,7 @@ from polyformer import Decoder, Encoder
 from polyformer.attention.kernels import linear_core as core
 from polyformer.interfaces import KV, KernelSpec
 from polyformer.attention.kernels.linear import KERNELS, LinearOptions, PerformerOptions, RfaOptions
+from polyformer.memory.recurrent import Recurrent
 
 
 def terms(n: int = 29, seed: int = 0, scale: float = 3.0):
@@ -233,7 +234,8 @@ def test_rfa_output_stays_bounded_where_the_estimated_normaliser_crosses_zero(ca
                  causal=causal, memory=None, need_weights=False).out
     floor = math.exp(-2 / fourier.log_sigma.exp().item() ** 2)
     assert torch.isfinite(out).all() and out.abs().max() <= v.abs().max() / floor
-    with torch.no_grad():        # the formula: Σ_j s_j v_j / max(Σ_j s_j, exp(-2 / σ²) (keys seen)), s_j = φ(q)·φ(k_j)
+    # the formula: Σ_j s_j v_j / max(Σ_j s_j, exp(-2 / σ²) (keys seen)), s_j = φ(q)·φ(k_j)
+    with torch.no_grad():
         scores = (fourier.query(q[None, None, None]) @ fourier.query(k).transpose(-1, -2))[0, 0, 0]     # (2,)
     seen = torch.tensor([[1.0, 0.0], [1.0, 1.0]] if causal else [[1.0, 1.0]] * 2, dtype=torch.float64)
     formula = (seen * scores) @ v[0, 0] / torch.maximum((seen * scores).sum(-1), floor * seen.sum(-1))[:, None]
@@ -257,7 +259,8 @@ def test_a_nearly_shut_gate_keeps_gradients_finite_and_exact(chunk):
                    .requires_grad_() for s in range(3))
         memory = None
         if trail:            # a decode state asking for the summaries after the last positions: the stepwise form
-            memory = type("Wanting", (), {"summary": None, "wanted": trail, "write": lambda self, *a: None})()
+            memory = Recurrent(history=trail - 1)
+            memory.begin(9)
         out = kernel(q, KV(k, v, kv_pos, None), q_pos=kv_pos, causal=True, memory=memory,
                      need_weights=need_weights).out
         kernel.zero_grad()
