@@ -28,7 +28,8 @@ from polyformer import AutoregressiveWrapper, Decoder, TransformerWrapper
 from polyformer.generate.early_exit import ExitStep, generate
 from polyformer.generate.fast import fast_step
 
-from .common import Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds, spread, started
+from .common import (Competitor, environment, finish_report, log, markdown_table, one_shot_parser, quiet_rounds,
+                     spread, started)
 
 V = 10
 FULL = dict(dim=256, depth=8, steps=600, thresholds=(0.99, 0.9, 0.8, 0.6, 0.4, 0.2), tokens=32)
@@ -130,7 +131,8 @@ def markdown(record: dict[str, Any]) -> str:
     step_table = markdown_table(
         ["decode step", "us / token (CPU)", "time / plain step", "mean layers"],
         [[name, f"{1e6 * r['cpu_seconds_per_token']['median']:.0f}",
-          f"{r['cpu_seconds_per_token']['median'] / plain:.2f}", f"{r['mean_layers']:.2f}"] for name, r in step.items()])
+          f"{r['cpu_seconds_per_token']['median'] / plain:.2f}",
+          f"{r['mean_layers']:.2f}"] for name, r in step.items()])
     return "\n\n".join([
         "# Early exit: generation speed and consistency against the threshold",
         f"Decoder dim {cfg['dim']}, depth {cfg['depth']}, 4 heads, rotary, softmax-margin confidence, trained "

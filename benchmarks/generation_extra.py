@@ -127,8 +127,9 @@ def extra_lines(scenarios: dict[str, dict[str, float]] | None, overhead: dict[st
                       lib for lib in libs if lib != "polyformer") + ")"], rows), ""]
     if overhead:
         lines += [f"Per-token overhead of the default decode step at {overhead['context']} cached positions "
-                  f"(batch 1): the step {overhead['step_ms']:.2f} ms = weight products {overhead['weight_products_ms']:.2f}"
-                  f" ms + attention over the cache {overhead['attention_ms']:.2f} ms + everything else "
+                  f"(batch 1): the step {overhead['step_ms']:.2f} ms = weight products "
+                  f"{overhead['weight_products_ms']:.2f} ms + attention over the cache "
+                  f"{overhead['attention_ms']:.2f} ms + everything else "
                   f"{overhead['overhead_ms']:.2f} ms (target: under 0.5 ms). The products and attentions run "
                   f"together in the step's order (the keys read after the weights streamed through the cache) "
                   f"take {overhead['products_and_attention_in_order_ms']:.2f} ms; the step less those: "
@@ -156,7 +157,8 @@ def int8_lines(ms: dict[str, float], anchors: list[Competitor], agreement: dict[
                              + ("met" if ms[hf[0]] / ms[INT8] >= INT8_TARGET else "**not met**") + ")")
     return [f"int8 weights (`quantize_int8`, weight-only, per-row absmax; an opt-in that changes the numbers, "
             f"so it is not the float32 comparison above; float32 activations, the products on the decode "
-            f"extension's int8 kernel, `rows_native.cpp`, in the native block loop): {vs} against the float32 anchors{met}. "
+            f"extension's int8 kernel, `rows_native.cpp`, in the native block loop): {vs} against the float32 "
+            f"anchors{met}. "
             f"Against polyformer float32 on the same weights: greedy tokens "
             + (f"identical for all {agreement['tokens']}" if first is None else f"part at token {first}")
             + f"; teacher-forced top-1 agreement {agreement['teacher_forced_top1_agreement']:.1%}, "

@@ -22,12 +22,11 @@ from polyformer import Decoder, TransformerWrapper
 from polyformer.memory.kv_cache import DecodeState
 
 
-def model(window: int, dim: int, depth: int, sinks: int) -> TransformerWrapper:
+def model(window: int, dim: int, depth: int) -> TransformerWrapper:
     torch.manual_seed(0)
-    extra = {"attn_sink_tokens": sinks} if sinks else {}
     return TransformerWrapper(num_tokens=256, max_seq_len=512, use_abs_pos_emb=False,
                               attn_layers=Decoder(dim=dim, depth=depth, heads=4, rotary_pos_emb=True,
-                                                  attn_window=window, **extra)).eval()
+                                                  attn_window=window)).eval()
 
 
 def sliding(net: TransformerWrapper) -> DecodeState:
@@ -39,7 +38,7 @@ def sliding(net: TransformerWrapper) -> DecodeState:
 
 def run(net: TransformerWrapper, tokens: torch.Tensor, ring: bool) -> tuple[float, int]:
     """us per step over tokens (1, n), and the state's key slots."""
-    sinks, span = net.attn_layers.window
+    span = net.attn_layers.window[1]
     state = net.new_state(1, tokens.shape[1], history=0) if ring else sliding(net)
     start = time.perf_counter()
     with torch.no_grad():
@@ -58,7 +57,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    net = model(args.window, args.dim, args.depth, 0)
+    net = model(args.window, args.dim, args.depth)
     tokens = torch.randint(0, 256, (1, args.tokens), generator=torch.Generator().manual_seed(1))
     run(net, tokens[:, :64], True), run(net, tokens[:, :64], False)      # warm up
     times: dict[bool, list[float]] = {True: [], False: []}

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..early_exit import EarlyExit
 from ..memory.kv_cache import DecodeState
-from ..position.rotary import Rotary, apply_rotary, rotary_angles
+from ..position.rotary import Rotary
 from .plan import DecodeLayout
 from .rows import Rows, _Attention, _weight
 
@@ -28,18 +28,14 @@ Confidence = Callable[[Tensor, Tensor, int], list[float]]
 
 
 def key_rotation(position: Callable | None) -> Callable[[Tensor, Tensor], Tensor] | None:
-    """(keys (b, hk, 1, d), positions (b, 1)) -> the keys as the block's position stage turns them: rotary's
-    rotation of the keys alone, else the stage's own call with the keys in place of the queries."""
+    """(keys (b, hk, 1, d), positions (b, 1)) -> the keys as the block's position stage (its bound forward)
+    turns them: `Rotary.rotate` of the keys alone, else the stage's own call with the keys as the queries."""
     if position is None:
         return None
-    rotary = getattr(position, "__self__", None)
-    if type(rotary) is not Rotary:
-        return lambda k, pos: position(k, k, pos, pos)[1]
-
-    def rotate(k: Tensor, pos: Tensor) -> Tensor:
-        inv_freq = rotary.frequencies(pos.max() + 1 if rotary.follows_length else None)
-        return apply_rotary(k, rotary_angles(pos, inv_freq), rotary.interleaved, rotary.scale)
-    return rotate
+    stage = getattr(position, "__self__", None)
+    if type(stage) is Rotary:
+        return stage.rotate
+    return lambda k, pos: position(k, k, pos, pos)[1]
 
 
 class _Keys:

@@ -87,7 +87,7 @@ def bind(plan: Any, res: Tensor) -> Any | None:
         norm = _norm(blk.block.modules["norm"], res.dtype)
         if norm is None:
             return None
-        if hasattr(blk, "cuts"):        # self-attention (rows._Attention)
+        if blk.block.attention:         # rows._Attention
             if blk.position is not None or blk.match:
                 return None
             parts = (_product(blk.block.modules["qkv"], plan.layout, res.dtype),
@@ -101,7 +101,7 @@ def bind(plan: Any, res: Tensor) -> Any | None:
             views = (blk.hidden, blk.gelu)
         if None in parts:
             return None
-        described.append((hasattr(blk, "cuts"), norm, parts, views))
+        described.append((blk.block.attention, norm, parts, views))
     module = extension()
     if module is None:
         return None

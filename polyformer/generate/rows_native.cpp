@@ -4,7 +4,9 @@
 // product of polyformer/quantize.py (`int8_linear`), which int8 blocks of the loop run too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <optional>

@@ -82,6 +82,12 @@ class Rotary(nn.Module):
         """The inverse frequencies (r/2,) in float32 for a forward whose positions reach length - 1."""
         return self.inv_freq if self.scaled is None else self.scaled(length)
 
+    def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x (b, h, n, d) at positions pos (b|1, n) rotated as `forward` rotates q or k there (alone: a
+        length-following scaling sees only these positions)."""
+        length = pos.max() + 1 if self.follows_length else None
+        return apply_rotary(x, rotary_angles(pos, self.frequencies(length)), self.interleaved, self.scale)
+
     def forward(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         length = torch.maximum(q_pos.max(), k_pos.max()) + 1 if self.follows_length else None
         inv_freq = self.frequencies(length)

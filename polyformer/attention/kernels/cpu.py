@@ -245,7 +245,8 @@ def packed_columns(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     width = base.shape[-1]
     offsets = (0, h * d, h * d + hk * d)
     for part, offset in zip((q, k, v), offsets):
-        if part.storage_offset() != base.storage_offset() + offset or part.stride() != (t * width, part.shape[-1], width, 1):
+        strides = (t * width, part.shape[-1], width, 1)
+        if part.storage_offset() != base.storage_offset() + offset or part.stride() != strides:
             return None
     return base
 
