@@ -81,8 +81,8 @@ def steps(spalm: Spalm, base: XLAutoregressiveWrapper, train: torch.Tensor, s: d
 
 def trained_losses(spalm: Spalm, base: XLAutoregressiveWrapper, train: torch.Tensor, held: torch.Tensor,
                    s: dict[str, Any]) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(1)
     for name, module in (("SPALM", spalm), ("Transformer-XL", base)):
+        gen = torch.Generator().manual_seed(1)          # both models see the same batches
         opt = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=s["lr"])
         order = [torch.randperm(train.shape[0], generator=gen)[:s["batch"]] for _ in range(s["steps"])]
         for i, rows in enumerate(order):

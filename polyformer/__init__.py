@@ -18,7 +18,8 @@ from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransf
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
     "ContinuousTransformerWrapper", "XLAutoregressiveWrapper", "min_p", "top_a", "top_k", "top_p",
-    "BeamResult", "SpeculativeResult", "beam_search", "speculative_generate", "load_prompt_cache", "next_token_logits", "save_prompt_cache",
+    "BeamResult", "SpeculativeResult", "beam_search", "speculative_generate", "load_prompt_cache",
+    "next_token_logits", "save_prompt_cache",
     "CrossAttender", "Decoder", "Encoder", "FeedForwardConfig", "Intermediates", "LayersConfig",
     "Int8Linear", "quantize_int8", "input_major",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",

@@ -105,7 +105,7 @@ class Context:
     mem_masks: list[Tensor | None] | None = None
     need_weights: bool = False
     global_mask: Tensor | None = None       # (b, n) bool: tokens an attention pattern makes global
-    prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at positions in [start, end), (b, 1) each, seen by all
+    prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at [start, end), (b, 1) each, seen by all
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
     carried: dict | None = None             # by self-attention block, a memory crossing forward calls that its

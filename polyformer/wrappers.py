@@ -83,7 +83,8 @@ class SequenceWrapper(nn.Module):
                 raise ValueError(f"pos must be integer positions of shape (batch or 1, {n}), got "
                                  f"{tuple(pos.shape)} {pos.dtype}")
         if mems is not None and not isinstance(mems, (list, tuple, memories.Memories)):
-            raise ValueError(f"mems must be a list of tensors (one per self-attention block), got {type(mems).__name__}")
+            raise ValueError("mems must be a list of tensors (one per self-attention block), got "
+                             f"{type(mems).__name__}")
         if (mems is not None or return_mems) and not infini_carry.carries(self):
             raise ValueError(f"{type(self).__name__}: mems / return_mems need a model built with max_mem_len > 0 "
                              "(or attn_infini blocks, not in a universal / hourglass stack)")
@@ -179,8 +180,9 @@ class TransformerWrapper(SequenceWrapper):
         scaled_sinu_pos_emb: the absolute positions are sinusoids with one learned scale instead of
             learned vectors (as in x-transformers, it picks the kind; use_abs_pos_emb=False refuses it).
         max_mem_len: Transformer-XL memory length kept by `return_mems`.
-        max_cmem_len, cmem_ratio (c, 4), cmem_fn ("conv1d"), cmem_loss_weight (1): a compressed memory (arXiv:1911.05507,
-            memory/compressive.py) of the states leaving the XL memory; return_mems then gives a `Memories` record.
+        max_cmem_len, cmem_ratio (c, 4), cmem_fn ("conv1d"), cmem_loss_weight (1): a compressed memory
+            (arXiv:1911.05507, memory/compressive.py) of the states leaving the XL memory; return_mems then
+            gives a `Memories` record.
         shift_mem_down: route layer l's memory to layer l - shift_mem_down (ERNIE-Doc, arXiv:2012.15688).
         logits_dim: size of the output logits when it differs from num_tokens.
         logits_bias: the untied output head has a bias (False: none, as Llama's lm_head).

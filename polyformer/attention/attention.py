@@ -50,7 +50,8 @@ class Attention(nn.Module):
         self.relative = relative.build(cfg, dim, shared_relative) if positional else None
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
-        normalize = NORMALIZE[cfg.normalize].build(cfg.topk) if cfg.normalize == "topk" else NORMALIZE[cfg.normalize].build()
+        build = NORMALIZE[cfg.normalize].build
+        normalize = build(cfg.topk) if cfg.normalize == "topk" else build()
         choice = cfg.kernel
         if cross and not KERNEL[choice.name].caps.cross:    # cross-attention stays dense unless it serves both
             choice = Choice("kernel", "dense")

@@ -108,7 +108,7 @@ class Recall(torch.autograd.Function):
     def forward(ctx, q: Tensor, scores: Tensor, slots: Tensor, valid: Tensor, store: KnnStore,
                 scale: float) -> Tensor:
         weights = (scores * scale).masked_fill(~valid, HIDDEN).softmax(dim=-1) * valid
-        values = store.entries(slots, keys=False)[1]
+        values = store.gathered(store.values, slots)
         ctx.save_for_backward(weights, slots)
         ctx.keys, ctx.values, ctx.scale = store.keys, store.values, scale   # a write replaces, never mutates
         return torch.einsum("bhik,bhikd->bhid", weights, values.to(weights.dtype)).to(q.dtype)

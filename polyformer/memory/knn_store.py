@@ -25,8 +25,9 @@ def normalise_keys(k: Tensor) -> Tensor:
 
 class KnnStore:
     """write(k (b, hk, n, d), v (b, hk, n, dv), keep (b, n)); search(q (b, h, i, d), k) -> slots and
-    validity (b, h, i, k); entries(slots) -> keys (b, h, i, k, d), values (b, h, i, k, dv); clear(rows);
-    state() / load(). Keys are stored as given (the caller normalises them); nothing here takes gradients."""
+    validity (b, h, i, k) (search_scored: their scores too); entries(slots) -> keys (b, h, i, k, d), values
+    (b, h, i, k, dv); clear(rows); state() / load(). Keys are stored as given (the caller normalises them);
+    nothing here takes gradients."""
 
     def __init__(self, size: int, spec: IndexSpec):
         self.size, self.spec = size, spec
@@ -152,9 +153,9 @@ class KnnStore:
         slots = (self.size - self.fill[:, None, None, None] + ids).masked_fill(~valid, 0)
         return scores, slots, valid
 
-    def entries(self, slots: Tensor, keys: bool = True) -> tuple[Tensor | None, Tensor]:
-        """The keys (b, h, i, k, d) (None when not keys) and values (b, h, i, k, dv) at slots (b, h, i, k)."""
-        return (self.gathered(self.keys, slots) if keys else None), self.gathered(self.values, slots)
+    def entries(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys (b, h, i, k, d) and values (b, h, i, k, dv) at slots (b, h, i, k)."""
+        return self.gathered(self.keys, slots), self.gathered(self.values, slots)
 
     @staticmethod
     def gathered(stored: Tensor, slots: Tensor) -> Tensor:

@@ -120,10 +120,14 @@ def memories(sk: Tensor, v: Tensor, start: tuple[Tensor, Tensor], delta: bool) -
     for s in range(sk.shape[2]):
         Ms.append(M)
         zs.append(z)
-        k = sk[:, :, s]
-        M = M + k.transpose(-1, -2) @ (v[:, :, s] - retrieve(k, M, z))
-        z = z + k.sum(-2)
+        M, z = absorbed(M, z, sk[:, :, s], v[:, :, s], delta)
     return torch.stack(Ms, 2), torch.stack(zs, 2)
+
+
+def absorbed(M: Tensor, z: Tensor, sk: Tensor, v: Tensor, delta: bool) -> tuple[Tensor, Tensor]:
+    """M, z after one segment: sk (..., N, d) σ(K) (0 at unkept slots), v (..., N, dv)."""
+    value = v - retrieve(sk, M, z) if delta else v
+    return M + sk.transpose(-1, -2) @ value, z + sk.sum(-2)
 
 
 def infini(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keep: Tensor | None, *, gate: Tensor, segment: int,
@@ -174,12 +178,9 @@ def closed(summary: Summary, delta: bool) -> Summary:
     """The memory after the summary's latest segment too, {"M", "z"}: what a forward hands to the next (its end
     closes its last segment; memory/infini_carry.py)."""
     M, z = summary["M"], summary["z"]
-    if "k" not in summary:
-        return {"M": M, "z": z}
     sk = sigma(upcast(summary["k"])).to(M.dtype) * summary["keep"][:, None, :, None]
-    v = upcast(summary["v"]).to(M.dtype)
-    value = v - retrieve(sk, M, z) if delta else v
-    return {"M": M + sk.transpose(-1, -2) @ value, "z": z + sk.sum(-2)}
+    M, z = absorbed(M, z, sk, upcast(summary["v"]).to(M.dtype), delta)
+    return {"M": M, "z": z}
 
 
 def _local(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor, lay: Layout, N: int, prefix: tuple | None, scale: float,
