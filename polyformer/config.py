@@ -18,6 +18,13 @@ from .early_exit import ExitOptions
 from .hourglass import HourglassOptions
 from .moe.options import MoeOptions
 from .attention.knn_memory import KnnMemoryOptions
+from .conditioning import ConditionOptions
+from .layerscale import LayerScaleOptions
+from .position.dynamic_bias import DynamicBiasOptions
+from .attention.latent import LatentOptions
+from .attention.value_residual import ValueResidualOptions
+from .stack_policies import ReinjectOptions, par_layout
+from .attention.score_options import ScoreOptions
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,10 @@ class Choice:
     stage: str
     name: str
     options: Any = None
+
+
+# the keyword that switches on each score bias (AttentionConfig.bias), for messages
+BIAS_KEYWORD = {"t5": "rel_pos_bias", "alibi": "alibi_pos_emb", "dynamic": "dynamic_pos_bias"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,9 @@ class AttentionConfig:
     rotary_llama3: tuple[float, float, float, float] | None = None   # (factor, low_freq_factor,
                                         # high_freq_factor, original context): Llama 3's frequency scaling
     rotary_scaling: Choice | None = None   # YaRN, dynamic NTK, LongRoPE with options (registry.ROTARY_SCALING)
+    rotary_xpos: bool = False           # xPos decay on the rotary (arXiv:2212.10554; position/rotary.py), causal only
+    rotary_xpos_scale_base: float | None = None   # xPos's gamma; None: 512
+    rotary_heads: int | None = None     # rotate_num_heads: rotate only the last n heads; None: every head
     bias: str = "none"                  # "t5", "alibi"                 (registry.SCORE_BIAS)
     alibi_num_heads: int | None = None  # None: every head
     rel_pos_num_buckets: int = 32
@@ -64,6 +78,8 @@ class AttentionConfig:
     pattern: tuple[Choice, ...] = ()    # which keys each query sees: pieces from registry.PATTERN
     fused: bool | None = None           # None: fused SDPA path when possible; True: demand it; False: never
     relative: Choice | None = None      # q-dependent relative position terms (registry.RELATIVE): Shaw, Transformer-XL
+    latent: LatentOptions | None = None   # multi-latent attention (attention/latent.py): attn_use_latent_q / _kv
+    scores: ScoreOptions | None = None    # qk norm, sigmoid, soft-capping, sinks, z-loss, head gates (attention/scoring.py)
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class FeedForwardConfig:
     bias: bool = True
     chunks: int = 1                     # computed in this many pieces along the sequence (ff_chunks)
     moe: MoeOptions | None = None       # a mixture of experts (moe/): ff_moe=True and its ff_moe_* options
+    post_act_ln: bool = False           # ff_post_act_ln: LayerNorm after the activation (NormFormer; feedforward_norm.py)
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,20 @@ class LayersConfig:
     hourglass: HourglassOptions | None = None   # Hourglass (hourglass.py): middle layers on a shortened sequence
     early_exit: ExitOptions | None = None   # early exit (early_exit.py): exit_layers, exit_confidence, exit_threshold
     knn_memory: KnnMemoryOptions | None = None   # Memorizing Transformer (attention/knn_memory.py): kNN memory blocks
+    # x-transformers 2.x stack policies (stack_policies.py, stack_order.py, attention/value_residual.py)
+    par_ratio: int | None = None        # PAR layout: attention in the first two thirds, par_ratio layers per attention
+    execute_order: tuple[int, ...] | None = None   # layers_execute_order: built blocks run in this order, repeats allowed
+    layer_dropout: float | tuple[float, ...] = 0.0   # stochastic depth: training skips a whole block (per block)
+    unet_skips: bool = False            # U-Net long skips: unit D-1-k starts from W [x_k ; x]
+    reinject: ReinjectOptions | None = None   # reinject_input: W x0 joins every branch input
+    value_residual: ValueResidualOptions | None = None   # add_value_residual: later blocks mix in the first's values
+    cross_attn_tokens_dropout: float = 0.0   # training: each row keeps a random (1 - p) of its context tokens
+    residual_streams: int = 1           # num_residual_streams: hyper-connections over n streams (hyper.py)
+    layerscale: LayerScaleOptions | None = None   # use_layerscale / use_adaptive_layerscale (layerscale.py)
+    condition: ConditionOptions | None = None     # adaptive norms / layerscale read the forward's condition (conditioning.py)
+    dyt_alpha: float = 1.0              # dynamic_tanh_init_alpha: use_dynamic_tanh's initial alpha (dyt.py)
+    keep_final_norm: bool = True        # pre_norm_has_final_norm: a pre-norm stack's norm after the last block
+    dynamic_pos_bias: DynamicBiasOptions | None = None   # dynamic_pos_bias's MLP (position/dynamic_bias.py)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     attention_layers: tuple[AttentionConfig, ...] | None = None   # one per self-attention block (attn_per_layer,
                                         # per_layer.py): the stack's `attention` with the block's own keywords on top
@@ -140,6 +171,8 @@ class LayersConfig:
             block = ("a", "f")
         if self.macaron:
             block = ("f",) + block
+        if self.par_ratio is not None:      # stack_policies.py; an invalid ratio is refused by name
+            return par_layout(block, self.depth, self.par_ratio) or block * self.depth
         if self.sandwich_coef:
             s = self.sandwich_coef
             return ("a",) * s + block * (self.depth - s) + ("f",) * s

@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import deepnet
@@ -38,8 +39,8 @@ def _valid_names() -> list[str]:
 
 
 class XTransformer(nn.Module):
-    """Encoder-decoder. forward(src (b, n), tgt (b, m), src_mask, tgt_mask) -> the decoder's
-    next-token loss on tgt, attending to the encoded src.
+    """Encoder-decoder. forward(src (b, n), tgt (b, m), mask, attn_mask, src_prepend_embeds, src_mask=,
+    tgt_mask=) -> the decoder's next-token loss on tgt, attending to the encoded src.
 
     Args:
         dim: model width of both stacks.
@@ -89,20 +90,49 @@ class XTransformer(nn.Module):
         self.init_args = dict(dim=dim, tie_token_emb=tie_token_emb, ignore_index=ignore_index,
                               pad_value=pad_value, **keywords)
 
-    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
+    def forward(self, src: Tensor, tgt: Tensor, mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                src_prepend_embeds: Tensor | None = None, *, src_mask: Tensor | None = None,
                 tgt_mask: Tensor | None = None, return_losses: bool = False) -> Tensor | tuple[Tensor, AuxLosses]:
         """The decoder's next-token loss on tgt plus both stacks' weighted auxiliary losses; with
-        `return_losses`, (that loss, the merged `AuxLosses`)."""
-        encoded, aux = forward_with_losses(self.encoder, src, mask=src_mask, return_embeddings=True)
+        `return_losses`, (that loss, the merged `AuxLosses`).
+
+        Args:
+            src: (b, n) source ids; tgt: (b, m) target ids.
+            mask / src_mask (one or the other): (b, n) bool source padding, True = keep.
+            attn_mask: (n, n), (h, n, n) or (b, h, n, n) bool, the encoder's (query, key) mask.
+            src_prepend_embeds: (b, p, dim) vectors the encoder reads before src (`prepend_embeds`); the
+                decoder attends to them too.
+            tgt_mask: (b, m) bool target padding.
+        """
+        src_mask = _source_mask(mask, src_mask)
+        encoded, aux = self.encode(src, src_mask, attn_mask, src_prepend_embeds)
+        if src_prepend_embeds is not None and src_mask is not None:     # the prepended vectors stay visible
+            src_mask = F.pad(src_mask, (src_prepend_embeds.shape[1], 0), value=True)
         loss, decoder_aux = self.decoder(tgt, mask=tgt_mask, context=encoded, context_mask=src_mask,
                                          return_losses=True)
         loss = with_aux(loss, aux)
         aux.merge(decoder_aux)
         return (loss, aux) if return_losses else loss
 
+    def encode(self, src: Tensor, src_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+               prepend_embeds: Tensor | None = None) -> tuple[Tensor, AuxLosses]:
+        """(the encoder's output (b, p + n, dim), its auxiliary losses)."""
+        extra = {} if prepend_embeds is None else {"prepend_embeds": prepend_embeds}
+        return forward_with_losses(self.encoder, src, mask=src_mask, attn_mask=attn_mask, return_embeddings=True,
+                                   **extra)
+
     @torch.no_grad()
-    def generate(self, seq_in: Tensor, seq_out_start: Tensor, seq_len: int,
-                 src_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
-        """Encode seq_in once, then sample seq_len decoder tokens after seq_out_start."""
-        encoded = self.encoder(seq_in, mask=src_mask, return_embeddings=True)
+    def generate(self, seq_in: Tensor, seq_out_start: Tensor, seq_len: int, mask: Tensor | None = None,
+                 attn_mask: Tensor | None = None, *, src_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        """Encode seq_in once (with `mask` / `src_mask` and `attn_mask` as in forward), then sample seq_len
+        decoder tokens after seq_out_start (`AutoregressiveWrapper.generate`'s keywords)."""
+        src_mask = _source_mask(mask, src_mask)
+        encoded = self.encoder(seq_in, mask=src_mask, attn_mask=attn_mask, return_embeddings=True)
         return self.decoder.generate(seq_out_start, seq_len, context=encoded, context_mask=src_mask, **kwargs)
+
+
+def _source_mask(mask: Tensor | None, src_mask: Tensor | None) -> Tensor | None:
+    """x-transformers' `mask` and polyformer's `src_mask` are one argument under two names."""
+    if mask is not None and src_mask is not None:
+        raise TypeError("XTransformer: give the source mask once, as mask= or as src_mask=, not both")
+    return mask if mask is not None else src_mask

@@ -6,10 +6,17 @@ from __future__ import annotations
 from .act import ActOptions
 from .early_exit import keyword as _early_exit
 from .attention.knn_memory import layers_keyword as knn_layers
+from .attention.latent import RopeSubheads
+from .attention.score_options import AttendPast, ScoreRoute, same
+from .attention.value_residual import ValueResidualOptions
+from .stack_policies import ReinjectOptions
 from .hourglass import keyword as _hourglass
 from .moe.options import MoeOptions
+from .conditioning import ConditionOptions
+from .layerscale import LayerScaleOptions
 from .per_layer import parse as _per_layer
-from .position.rotary_scaling import dynamic_ntk_keyword, longrope_keyword, yarn_keyword
+from .position.dynamic_bias import DynamicBiasOptions
+from .position.rotary_scaling import dynamic_ntk_keyword, longrope_keyword, ntk_keyword, yarn_keyword
 from .routes import Route, _bigbird_blocks, _block_local, _ints, _local_2d, _pairs, flag, sequence
 
 FAMILY_KEYWORDS: dict[str, Route] = {
@@ -162,4 +169,69 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "knn_index": Route("knn_memory.index"),
     "knn_index_backend": Route("knn_memory.backend"),
     "knn_memory_write": Route("knn_memory.write"),
+    # multi-latent attention (attention/latent.py; x-transformers' spellings): q / kv through latents, decoupled rotary
+    "attn_use_latent_q": Route("attention.latent.use_q"),
+    "attn_dim_latent_q": Route("attention.latent.dim_q"),
+    "attn_use_latent_kv": Route("attention.latent.use_kv"),
+    "attn_dim_latent_kv": Route("attention.latent.dim_kv"),
+    "attn_latent_rope_subheads": RopeSubheads("attention.latent.rope_subheads"),
+    # attention scores, x-transformers 2.x spellings (attention/scoring.py, attention/gates.py)
+    "attn_qk_norm": ScoreRoute("attention.scores.qk_norm"),
+    "attn_qk_norm_groups": ScoreRoute("attention.scores.qk_norm_groups", same),
+    "attn_qk_norm_scale": ScoreRoute("attention.scores.qk_norm_scale", same),
+    "attn_qk_norm_dim_scale": ScoreRoute("attention.scores.qk_norm_dim_scale"),
+    "attn_sigmoid": ScoreRoute("attention.scores.sigmoid"),
+    "attn_sigmoid_bias": ScoreRoute("attention.scores.sigmoid_bias", same),
+    "attn_softclamp_logits": ScoreRoute("attention.scores.softclamp"),
+    "attn_logit_softclamp_value": ScoreRoute("attention.scores.softclamp_value", same),
+    "attn_head_learned_sink": ScoreRoute("attention.scores.head_sink"),
+    "attn_add_zero_kv": ScoreRoute("attention.scores.zero_kv"),
+    "attn_pre_talking_heads": ScoreRoute("attention.scores.pre_talking_heads"),
+    "attn_post_talking_heads": ScoreRoute("attention.scores.post_talking_heads"),
+    "attn_max_attend_past": AttendPast("attention.scores.max_attend_past"),
+    "attn_z_loss_weight": ScoreRoute("attention.scores.z_loss_weight", same),
+    "attn_gate_value_heads": ScoreRoute("attention.scores.gate_value_heads"),
+    "attn_output_gate": ScoreRoute("attention.scores.output_gate"),
+    "attn_output_gate_headwise": ScoreRoute("attention.scores.output_gate_headwise"),
+    # x-transformers' residual / norm / feedforward keywords (hyper.py, layerscale.py, conditioning.py, dyt.py,
+    # feedforward_norm.py; wired by residual_extras.py)
+    "num_residual_streams": Route("residual_streams"),
+    "use_layerscale": flag(layerscale=LayerScaleOptions()),
+    "layerscale_init_value": Route("layerscale.init"),
+    "use_adaptive_layerscale": flag(layerscale=LayerScaleOptions(adaptive=True), condition=ConditionOptions()),
+    "use_dynamic_tanh": flag(norm="dyt"),
+    "dynamic_tanh_init_alpha": Route("dyt_alpha"),
+    "use_adaptive_layernorm": flag(norm="adaptive_layer", condition=ConditionOptions()),
+    "use_adaptive_rmsnorm": flag(norm="adaptive_rms", condition=ConditionOptions()),
+    "dim_condition": Route("condition.dim"),
+    "adaptive_condition_mlp": Route("condition.mlp"),
+    "adaptive_condition_mlp_expansion": Route("condition.mlp_expansion"),
+    "pre_norm_has_final_norm": Route("keep_final_norm"),
+    "ff_post_act_ln": Route("ff.post_act_ln"),
+    "ff_solu": flag(ff__activation="solu"),
+    # x-transformers' position keywords (position/rotary.py, rotary_scaling.py, dynamic_bias.py, cope.py)
+    "rotary_xpos": flag(attention__position="rotary", attention__rotary_xpos=True),
+    "rotary_xpos_scale_base": Route("attention.rotary_xpos_scale_base", float),
+    "rotary_base_rescale_factor": Route("attention.rotary_scaling", ntk_keyword),
+    "rotate_num_heads": Route("attention.rotary_heads"),
+    "dynamic_pos_bias": flag(attention__bias="dynamic", dynamic_pos_bias=DynamicBiasOptions()),
+    "dynamic_pos_bias_mlp_depth": Route("dynamic_pos_bias.depth"),
+    "dynamic_pos_bias_log_distance": Route("dynamic_pos_bias.log_distance"),
+    "dynamic_pos_bias_norm": Route("dynamic_pos_bias.norm"),
+    "attn_use_cope": flag(attention__relative__cope={}),
+    "attn_cope_max_pos": Route("attention.relative.cope.max_pos"),
+    "attn_cope_soft_onehot_pos": Route("attention.relative.cope.soft_onehot"),
+    "attn_cope_talking_heads": Route("attention.relative.cope.talking_heads"),
+    # x-transformers' stack policies (stack_policies.py, stack_order.py, attention/value_residual.py); weight tying is
+    # the Universal Transformer's one shared unit
+    "weight_tie_layers": Route("universal"),
+    "layers_execute_order": Route("execute_order", sequence("a sequence of block indices")),
+    "par_ratio": Route("par_ratio"),
+    "layer_dropout": Route("layer_dropout", _ints),
+    "unet_skips": Route("unet_skips"),
+    "reinject_input": flag(reinject=ReinjectOptions()),
+    "learned_reinject_input_gate": Route("reinject.gate"),
+    "add_value_residual": flag(value_residual=ValueResidualOptions()),
+    "learned_value_residual_mix": Route("value_residual.learned"),
+    "cross_attn_tokens_dropout": Route("cross_attn_tokens_dropout"),
 }

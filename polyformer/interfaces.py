@@ -106,6 +106,7 @@ class Context:
     need_weights: bool = False
     global_mask: Tensor | None = None       # (b, n) bool: tokens an attention pattern makes global
     prefix_span: tuple[Tensor, Tensor] | None = None   # prefix-LM: keys at [start, end), (b, 1) each, seen by all
+    attn_mask: Tensor | None = None         # (b|1, h|1, n, n) bool: which keys each query may see (attn_mask.py)
     shift_mask: Tensor | None = None        # (b, n) positions token shift reads: text, not padding / memory tokens
     state: "DecodeState | None" = None      # decoding: keys / values come from and go to the cache
     carried: dict | None = None             # by self-attention block, a memory crossing forward calls that its

@@ -14,7 +14,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from .config import AttentionConfig, Choice, FeedForwardConfig, LayersConfig
+from .config import AttentionConfig, Choice, FeedForwardConfig, LayersConfig, stack_options
 from .family_keywords import FAMILY_KEYWORDS
 from .routes import Route, _layout, _llama3, _pre_norm, _shift, flag
 
@@ -125,6 +125,8 @@ def parse_layers(keywords: dict[str, Any], owner: str = "AttentionLayers") -> La
                     f"({written[path][1]!r} vs {value!r}); choose one"
                 )
             written[path] = (name, value)
+    if "depth" not in written and "custom_layers" in written:     # x-transformers: a custom layout needs no depth
+        written["depth"] = ("custom_layers", len(written.get("execute_order", written["custom_layers"])[1] or ()))
     if "dim" not in written or "depth" not in written:
         missing = [k for k in ("dim", "depth") if k not in written]
         raise TypeError(f"{owner} needs the keyword(s) {missing}")
@@ -205,9 +207,13 @@ def _build(values: dict[str, Any], keywords: dict[str, str] | None = None) -> La
             groups[""][head] = value
     for head in groups.keys() - {"attention", "ff", ""}:     # a stack option's own dataclass (act.threshold)
         groups[""][head] = _onto(head, groups[head], groups[""].get(head), keywords)
-    for sub in {t.split(".")[0] for t in groups["ff"] if "." in t}:    # a feedforward option's dataclass (ff.moe.top_k)
-        fields = {t.split(".", 1)[1]: groups["ff"].pop(t) for t in list(groups["ff"]) if t.startswith(f"{sub}.")}
-        groups["ff"][sub] = _onto(f"ff.{sub}", fields, groups["ff"].get(sub), keywords)
+    for part in ("ff", "attention"):    # a section option's dataclass (ff.moe.top_k, attention.latent.dim_kv)
+        for sub in {t.split(".")[0] for t in groups[part] if "." in t}:
+            fields = {t.split(".", 1)[1]: groups[part].pop(t) for t in list(groups[part]) if t.startswith(f"{sub}.")}
+            start = groups[part].get(sub)
+            if start is None and not writing(f"{part}.{sub}"):    # options without a switch keyword: their defaults
+                start = stack_options()[f"{part}.{sub}"]()
+            groups[part][sub] = _onto(f"{part}.{sub}", fields, start, keywords)
     made = {prefix: _choices(stage, prefix, chosen[prefix], keywords)
             for prefix, stage in CHOICE_STAGES.items() if chosen[prefix]}
     if "attention.pattern." in made:

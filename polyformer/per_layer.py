@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import AttentionConfig, LayersConfig
+from .config import BIAS_KEYWORD, AttentionConfig, LayersConfig
 from .universal import unit
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def problems(cfg: LayersConfig) -> list[str]:
 
 
 def _bias_keyword(a: AttentionConfig) -> str:
-    return "rel_pos_bias" if a.bias == "t5" else "alibi_pos_emb"
+    return BIAS_KEYWORD[a.bias]
 
 
 def check(cfg: LayersConfig, owner: str) -> None:

@@ -18,7 +18,12 @@ from .feedforward import GeluTanh, ReluSquared
 from .interfaces import Caps
 from .mixers import MIXERS
 from .norm import LayerNorm, RMSNorm, ScaleNorm
+from .conditioning import AdaptiveLayerNorm, AdaptiveRMSNorm
+from .dyt import DynamicTanh
+from .feedforward_norm import SoLU
 from .position.bias import AlibiBias, T5Bias
+from .position.cope import CopeOptions, CopeRelative
+from .position.dynamic_bias import DynamicPositionBias
 from .position.rotary import Rotary
 from .position.rotary_scaling import SCALINGS
 from .position.shaw import ShawOptions, ShawRelative
@@ -37,18 +42,20 @@ def _plain(table: dict[str, Any]) -> dict[str, Entry]:
     return {name: Entry(build) for name, build in table.items()}
 
 
-NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None})
+NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None,
+               "dyt": DynamicTanh, "adaptive_layer": AdaptiveLayerNorm, "adaptive_rms": AdaptiveRMSNorm})
 RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate, "deepnorm": ScaledAdd})
 ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
-                     "swish": nn.SiLU})
+                     "swish": nn.SiLU, "solu": SoLU})   # SoLU: built with the hidden width (feedforward_norm.py)
 NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})
 # "infused" acts on the projection inputs (see attention/projection.py), the others on q and k
-POSITION = _plain({"none": None, "rotary": Rotary, "infused": None})
+POSITION = _plain({"none": None, "rotary": Rotary.from_config, "infused": None})   # built from (qk dim, AttentionConfig)
 # how rotary positions stretch past the trained context (position/rotary_scaling.py): the Rotary builds them
 ROTARY_SCALING = {name: Entry(s, s.options) for name, s in SCALINGS.items()}
-SCORE_BIAS = _plain({"none": None, "t5": T5Bias, "alibi": AlibiBias})
+SCORE_BIAS = _plain({"none": None, "t5": T5Bias, "alibi": AlibiBias, "dynamic": DynamicPositionBias})
 # q-dependent relative position terms of the scores (position/relative.py): Shaw et al., Transformer-XL
-RELATIVE = {"shaw": Entry(ShawRelative, ShawOptions), "xl": Entry(XLRelative, XLOptions)}
+RELATIVE = {"shaw": Entry(ShawRelative, ShawOptions), "xl": Entry(XLRelative, XLOptions),
+            "cope": Entry(CopeRelative, CopeOptions)}     # CoPE's context-counted positions (position/cope.py)
 # how queries meet keys: dense softmax attention (the reference), or a kernel of form "direct"
 KERNEL = {"dense": Entry(DenseKernel.from_spec, caps=DenseKernel.caps),
           **{name: Entry(k, k.options, k.caps) for name, k in DIRECT_KERNELS.items()}}

@@ -117,7 +117,7 @@ RULES: list[Rule] = [
          "dim_context is set but there is no cross-attention: set cross_attend=True"),
     Rule(lambda c: c.only_cross and (c.attention.position != "none" or c.attention.bias != "none" or c.residual_attn),
          "only_cross=True has no self-attention: rotary_pos_emb / position_infused_attn / alibi_pos_emb / "
-         "rel_pos_bias / residual_attn would do nothing"),
+         "rel_pos_bias / dynamic_pos_bias / residual_attn would do nothing"),
     Rule(lambda c: c.custom_layers is not None and (c.sandwich_coef or c.macaron),
          "custom_layers fixes the layout; it cannot be combined with sandwich_coef or macaron"),
     Rule(lambda c: c.custom_layers is not None and (not c.custom_layers or any(t not in "acf" for t in c.custom_layers)),
@@ -173,13 +173,14 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     for rule in RULES:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
-    from . import deepnet, hourglass, moe, reversible, universal
-    from .attention import knn_memory
+    from . import deepnet, hourglass, moe, residual_extras, reversible, stack_policies, universal
+    from .attention import knn_memory, latent, scoring
     from .attention.kernels import direct
-    from .position import relative, rotary_scaling
+    from .position import dynamic_bias, relative, rotary, rotary_scaling
 
     found = [problem for piece in (direct, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling,
-                                   knn_memory)
+                                   knn_memory, latent, scoring, residual_extras, rotary, dynamic_bias,
+                                   stack_policies)
              for problem in piece.problems(cfg)]      # each variant's own checks, in this order
     if found:
         raise ValueError(f"{owner}: " + found[0])

@@ -14,14 +14,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import checks, deepnet, early_exit, per_layer, reversible, rules, universal
+from . import checks, deepnet, early_exit, per_layer, residual_extras, reversible, rules, stack_policies, universal
+from . import attn_mask as attn_masks
 from .attention import knn_memory
 from .attention.attention import Attention
+from .block import Block
 from .position import relative
 from .config import LayersConfig
 from .hourglass import Hourglass
 from .moe.layer import feedforward as moe_feedforward
-from .interfaces import AttnOut, Context
+from .interfaces import Context
 from .keywords import parse_layers
 from .losses import AuxLosses
 from .memory.kv_cache import DecodeState
@@ -51,61 +53,6 @@ class Intermediates:
     losses: AuxLosses = field(default_factory=lambda: AuxLosses())
 
 
-class Block(nn.Module):
-    """norm -> shift -> branch -> (scale, sandwich norm) -> residual -> post-norm."""
-
-    def __init__(self, kind: str, branch: nn.Module, combine: nn.Module, norm_in: nn.Module | None,
-                 norm_out: nn.Module | None, post_norm: nn.Module | None, shift: TokenShift | None,
-                 scale: float = 1.0, index: int = 0):
-        super().__init__()
-        self.kind = kind
-        self.index = index
-        self.branch = branch
-        self.combine = combine
-        self.norm_in = norm_in
-        self.norm_out = norm_out
-        self.post_norm = post_norm
-        self.shift = shift
-        self.scale = scale
-        self.takes_context = getattr(branch, "takes_context", False)    # a feedforward that reads ctx
-
-    def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None
-                ) -> tuple[Tensor, AttnOut | None, Tensor]:
-        y, attn, h = self.step(x, ctx, prev_scores)
-        return self.join(x, y), attn, h
-
-    def step(self, x: Tensor, ctx: Context, prev_scores: Tensor | None, whole: bool = True
-             ) -> tuple[Tensor, AttnOut | None, Tensor]:
-        """The branch on the stream x: (its output y before the residual, its AttnOut or None, the input h
-        it read after the norm and token shift). `whole=False` runs a feedforward on x as one piece even
-        with ff_chunks (a reversible backward recomputes it piece by piece itself)."""
-        h = self.norm_in(x) if self.norm_in is not None else x
-        if self.shift is not None:
-            h = self.shifted(h, ctx.state) if ctx.state is not None else self.shift(h, ctx.shift_mask)
-        if self.kind == "f":
-            if self.takes_context:          # reports losses, reads the state (moe/)
-                return self.branch(h, ctx), None, h
-            return (self.branch(h) if whole else self.branch.dense(h)), None, h
-        attn = self.branch(h, ctx, prev_scores)
-        return attn.out, attn, h
-
-    def shifted(self, h: Tensor, state: DecodeState) -> Tensor:
-        """Token shift while decoding: it reaches back into earlier steps' inputs, kept in the state."""
-        window, window_mask = state.shift_window(self.index, h, self.shift.reach)
-        return self.shift(window, window_mask)[:, -h.shape[1]:]
-
-    def join(self, x: Tensor, y: Tensor) -> Tensor:
-        """The branch output y back into the residual stream x: scale, sandwich norm, residual, post-norm."""
-        if self.scale != 1.0:
-            y = y * self.scale
-        if self.norm_out is not None:
-            y = self.norm_out(y)
-        x = self.combine(x, y)
-        if self.post_norm is not None:
-            x = self.post_norm(x)
-        return x
-
-
 class AttentionLayers(nn.Module):
     """A stack of attention and feedforward blocks. Keywords as in x-transformers, e.g.
     `AttentionLayers(dim=512, depth=6, heads=8, causal=True, rotary_pos_emb=True)`.
@@ -130,7 +77,10 @@ class AttentionLayers(nn.Module):
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
         knn_clear: (b,) bool, with knn_memory_layers: clear these rows' kNN memories first (a new document).
+        attn_mask: (i, j), (h, i, j) or (b, h, i, j) bool over x's text positions: which keys each query of
+            every self-attention block may see, on top of its pattern (x-transformers' attn_mask; attn_mask.py).
         carried: by self-attention block, memories that cross forward calls (memory/infini_carry.py).
+        condition: (b, dim_condition) or (b, n, dim_condition) for use_adaptive_layernorm / _rmsnorm / _layerscale.
     """
 
     fixed: dict[str, Any] = {}
@@ -161,6 +111,8 @@ class AttentionLayers(nn.Module):
             self.shared_bias = None
         elif a.bias == "t5":
             self.shared_bias = bias_cls(a.heads, cfg.causal, a.rel_pos_num_buckets, a.rel_pos_max_distance)
+        elif a.bias == "dynamic":           # position/dynamic_bias.py
+            self.shared_bias = bias_cls(cfg.dim, a.heads, cfg.dynamic_pos_bias)
         else:
             self.shared_bias = bias_cls(a.heads, a.alibi_num_heads)
         self.shared_relative = relative.shared(a)     # Transformer-XL's u, v shared by the blocks (or None)
@@ -209,6 +161,8 @@ class AttentionLayers(nn.Module):
         self.has_cross = "c" in layout
         final = cfg.placement in ("pre", "sandwich") and norm_cls is not None     # of out_dim features
         self.final_norm = norm_cls(self.out_dim, cfg.norm_eps) if final else None
+        residual_extras.setup(self)     # hyper-connections, layerscale, adaptive norms, DyT (residual_extras.py)
+        stack_policies.attach(self)     # layer_dropout, reinject_input, layers_execute_order, unet_skips, ...
 
     def _decode_window(self) -> tuple[int, int] | None:
         """(sinks, span) when every self-attention block's pattern can only show the first `sinks`
@@ -239,6 +193,7 @@ class AttentionLayers(nn.Module):
             raise ValueError("a decode state needs a causal stack (a Decoder)")
         attention = [b.branch for b in self.blocks if b.kind == "a"]
         kinds = tuple(a.decode_kind for a in attention) * (self.universal.steps if self.universal is not None else 1)
+        kinds = self.loop.kinds(kinds) if self.loop is not None else kinds     # one per run (stack_order.py)
         first = next((a for a, kind in zip(attention, kinds) if kind == "keys"), None)
         # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
         heads = first.decode_dims if first is not None else (1, 1, 1, 1)
@@ -277,6 +232,8 @@ class AttentionLayers(nn.Module):
                 x = self.layer_pos(x, block.index, ctx)
             if keep:
                 record.hiddens.append(x)
+            if self.layer_drop is not None and self.training and self.layer_drop.skips(block, x, ctx, record, keep):
+                continue                    # layer_dropout (stack_policies.py)
             if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 own = replace(ctx, losses=AuxLosses())      # the backward's second run reports here, not twice
                 x, attn, h = checkpoint(block, x, own, prev.get(block.kind), use_reentrant=False)
@@ -297,8 +254,8 @@ class AttentionLayers(nn.Module):
                 state: DecodeState | None = None, prefix: int = 0,
                 prefix_len: Tensor | int | None = None, return_attn: bool = False,
                 return_intermediates: bool = False, global_mask: Tensor | None = None,
-                knn_clear: Tensor | None = None, carried: dict | None = None
-                ) -> Tensor | tuple[Tensor, Intermediates]:
+                knn_clear: Tensor | None = None, carried: dict | None = None, attn_mask: Tensor | None = None,
+                condition: Tensor | None = None) -> Tensor | tuple[Tensor, Intermediates]:
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if global_mask is not None:
             checks.global_mask(self, global_mask, x)
@@ -317,14 +274,18 @@ class AttentionLayers(nn.Module):
         if prefix:
             shift_mask = mask.clone() if mask is not None else x.new_ones(x.shape[:2], dtype=torch.bool)
             shift_mask[:, :prefix] = False
+        if attn_mask is not None:
+            attn_mask = attn_masks.prepare(self, attn_mask, x, prefix, mems, state)
         ctx = Context(pos=pos, mask=mask, causal=self.causal, context=context, context_mask=context_mask,
                       mems=mems, mem_masks=mem_masks, need_weights=return_attn, prefix_span=prefix_span,
                       global_mask=global_mask,
-                      shift_mask=shift_mask,
+                      shift_mask=shift_mask, attn_mask=attn_mask,
                       state=state, carried=carried)
+        ctx = stack_policies.begin(self, x, ctx)    # reinject_input, value residual, cross_attn_tokens_dropout
         knn_memory.begin(self, knn_clear, x, state is not None)
         if state is not None:
             state.begin(pos, mask, prefix)
+        x = residual_extras.enter(self, x, condition)   # the adaptive norms' condition; n residual streams
         keep = return_intermediates or return_attn      # else hold no block's input past its use
         record = Intermediates(losses=ctx.losses)
         prev = {"a": None, "c": None}
@@ -336,14 +297,18 @@ class AttentionLayers(nn.Module):
             x = self.hourglass(self, x, ctx, record, keep, prefix)      # at their resolutions
         elif self.early_exit is not None and self.early_exit.running and state is not None:
             x = self.early_exit(self, x, ctx, record, keep)             # decoding: a token stops once confident
+        elif self.loop is not None:
+            x = self.loop(self, x, ctx, record, keep, prev)             # layers_execute_order, unet_skips
         else:
             x = self.run_blocks(self.blocks, x, ctx, record, keep, prev)
+        x = residual_extras.leave(self, x)
         if keep:
             record.hiddens.append(x)
         if state is not None:
             state.commit()
         if self.final_norm is not None:
             x = self.final_norm(x)
+        residual_extras.release(self)
         return (x, record) if return_intermediates or return_attn else x
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from . import act, checks
+from . import act, checks, stack_policies
 from .interfaces import Context
 from .memory.kv_cache import StateView
 
@@ -100,7 +100,7 @@ class Universal(nn.Module):
         if ctx.mems is not None:
             changes["mems"] = ctx.mems[t * u:(t + 1) * u]
             if ctx.mem_masks is not None:       # masks are kept per layer in the memo: a fresh one
-                changes.update(mem_masks=ctx.mem_masks[t * u:(t + 1) * u], memo={})
+                changes.update(mem_masks=ctx.mem_masks[t * u:(t + 1) * u], memo=stack_policies.carry(ctx.memo))
         return dataclasses.replace(ctx, **changes)
 
 

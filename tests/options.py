@@ -67,6 +67,10 @@ LAYER_OPTIONS: dict[str, dict] = {
     "ff_moe": dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=2, ff_glu=True, ff_moe_shared_experts=1),
     "ff_moe_capacity": dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=1, ff_moe_capacity_factor=0.75,
                             ff_moe_every=2, macaron=True, ff_moe_z_loss=1e-3, num_memory_tokens=2),
+    # x-transformers' wrapper options (polyformer/wrap/): fixnorm embeddings, a gradient fraction, a mixture of softmaxes
+    "l2norm_embed": dict(l2norm_embed=True, use_abs_pos_emb=True),
+    "emb_frac_gradient": dict(emb_frac_gradient=0.1),
+    "mixture_of_softmax": dict(mixture_of_softmax=True, mixture_of_softmax_k=2),
 }
 # one entry per registered attention pattern (registry.PATTERN; tests/contracts keeps the two in
 # step), small enough that a 12-token input has keys outside every pattern
@@ -172,13 +176,63 @@ KERNEL_OPTIONS: dict[str, dict] = {
                        rotary_pos_emb=True, attn_kv_heads=2),
     # early exit (early_exit.py): a plain forward is the full model; training averages the exits' losses
     "exit_layers": dict(exit_layers=True, exit_confidence="state_change", rotary_pos_emb=True, shift_tokens=1),
+    # multi-latent attention (attention/latent.py): kv latent with GQA and memory key / values; both latents with
+    # the decoupled rotary heads (the last 2 of 4 keys straight from the input)
+    "attn_latent_kv": dict(attn_use_latent_kv=True, attn_dim_latent_kv=12, attn_kv_heads=2, attn_num_mem_kv=2,
+                           rotary_pos_emb=True),
+    "attn_latent_rope": dict(attn_use_latent_q=True, attn_dim_latent_q=16, attn_use_latent_kv=True,
+                             attn_dim_latent_kv=12, attn_latent_rope_subheads=2, rotary_pos_emb=True, shift_tokens=1),
+    # attention scores, x-transformers 2.x spellings (attention/scoring.py, gates.py): cosine-sim with groups, rotary,
+    # GQA and memory kv; sigmoid with a bias and ALiBi; soft-capping with both sinks; one-sided talking heads with
+    # the z-loss; the causal window attn_max_attend_past is; per-head and output gates
+    "attn_qk_norm": dict(attn_qk_norm=True, attn_qk_norm_groups=2, rotary_pos_emb=True, attn_kv_heads=2,
+                         attn_num_mem_kv=2),
+    "attn_qk_norm_dim_scale": dict(attn_qk_norm=True, attn_qk_norm_dim_scale=True, shift_tokens=1),
+    "attn_sigmoid": dict(attn_sigmoid=True, attn_sigmoid_bias=-2.0, alibi_pos_emb=True, attn_num_mem_kv=2),
+    "attn_softclamp_sinks": dict(attn_softclamp_logits=True, attn_logit_softclamp_value=2.0,
+                                 attn_head_learned_sink=True, attn_add_zero_kv=True, attn_kv_heads=2),
+    "attn_pre_talking_heads": dict(attn_pre_talking_heads=True, attn_z_loss_weight=1e-3, rel_pos_bias=True),
+    "attn_post_talking_heads": dict(attn_post_talking_heads=True, attn_head_learned_sink=True, attn_num_mem_kv=2),
+    "attn_max_attend_past": dict(attn_max_attend_past=3, rotary_pos_emb=True),
+    "attn_head_gates": dict(attn_gate_value_heads=True, attn_output_gate=True, attn_output_gate_headwise=True),
+    "attn_output_gate": dict(attn_output_gate=True, attn_num_mem_kv=2),
+    # x-transformers' stack policies (stack_policies.py, stack_order.py, attention/value_residual.py): repeated runs
+    # of blocks with token shift (one decode slot per run), a PAR layout, U-Net skips, the reinjected input with its
+    # gate, learned and fixed value residuals (keys and a recurrent summary); layer_dropout (training only, it leaves
+    # blocks without gradients) is tested in tests/test_xt_stack.py
+    "weight_tie_layers": dict(weight_tie_layers=True, rotary_pos_emb=True, shift_tokens=1),
+    "layers_execute_order": dict(layers_execute_order=(0, 1, 0, 1, 2, 3, 2, 3), shift_tokens=1, attn_num_mem_kv=2,
+                                 rotary_pos_emb=True),
+    "par_ratio": dict(par_ratio=2, rotary_pos_emb=True, attn_kv_heads=2),
+    "unet_skips": dict(unet_skips=True, shift_tokens=1, attn_kv_heads=2),
+    "reinject_input": dict(reinject_input=True, learned_reinject_input_gate=True, shift_tokens=1, num_memory_tokens=2),
+    "add_value_residual": dict(add_value_residual=True, rotary_pos_emb=True, attn_kv_heads=2, attn_num_mem_kv=2),
+    "add_value_residual_fixed": dict(add_value_residual=True, learned_value_residual_mix=False, attn_linear="elu",
+                                     attn_linear_chunk=4),
+    # x-transformers' residual / norm / feedforward keywords (hyper.py, layerscale.py, dyt.py, feedforward_norm.py);
+    # the adaptive norms need the forward's condition: their decode / causality tests are in tests/test_xt_residual.py
+    "num_residual_streams": dict(num_residual_streams=3, rotary_pos_emb=True, shift_tokens=1, attn_num_mem_kv=2,
+                                 num_memory_tokens=2),
+    "use_layerscale": dict(use_layerscale=True, layerscale_init_value=0.1, sandwich_norm=True, attn_kv_heads=2),
+    "use_dynamic_tanh": dict(use_dynamic_tanh=True, dynamic_tanh_init_alpha=0.5, pre_norm_has_final_norm=False),
+    "ff_post_act_ln": dict(ff_post_act_ln=True, ff_glu=True, ff_chunks=2, rotary_pos_emb=True),
+    "ff_solu": dict(ff_solu=True, macaron=True, use_rmsnorm=True),
+    # x-transformers' position keywords (position/rotary.py, rotary_scaling.py, dynamic_bias.py, cope.py): xPos and
+    # CoPE are causal only (with GQA, memory key / values, a window); rotate_num_heads with GQA
+    "rotary_xpos": dict(rotary_xpos=True, rotary_xpos_scale_base=16, rotary_base_rescale_factor=2.0, attn_num_mem_kv=2),
+    "rotate_num_heads": dict(rotary_pos_emb=True, rotate_num_heads=2, attn_kv_heads=2, rotary_emb_dim=4),
+    "dynamic_pos_bias": dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True, dynamic_pos_bias_norm=True,
+                             attn_num_mem_kv=2),
+    "attn_use_cope": dict(attn_use_cope=True, attn_cope_max_pos=4, attn_kv_heads=2, attn_num_mem_kv=2),
+    "attn_cope_soft_onehot": dict(attn_use_cope=True, attn_cope_soft_onehot_pos=True, attn_cope_talking_heads=True,
+                                  attn_window=4),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
 KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom", "attn_sinkhorn_sortcut",
                                  "attn_lsh_global"}
-KERNEL_DECODER_ONLY: set[str] = {"attn_rfa_gate", "attn_adaptive_span", "landmark_block", "attn_infini",
-                                  "attn_infini_delta", "exit_layers"}
+KERNEL_DECODER_ONLY: set[str] = {"rotary_xpos", "attn_use_cope", "attn_cope_soft_onehot", "attn_rfa_gate", "attn_adaptive_span", "landmark_block", "attn_infini",
+                                  "attn_infini_delta", "exit_layers", "attn_max_attend_past"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
 DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}

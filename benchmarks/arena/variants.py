@@ -71,6 +71,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             layers=dict(alibi_pos_emb=True), tasks=POSITIONS),
     Variant("t5_bias", "T5's learned bucketed relative bias", "arXiv:1910.10683",
             layers=dict(rel_pos_bias=True), tasks=POSITIONS),
+    Variant("dynamic_bias", "a per-head bias from an MLP of the log-spaced offset (x-transformers' dynamic_pos_bias)",
+            "arXiv:2111.09883", layers=dict(dynamic_pos_bias=True, dynamic_pos_bias_log_distance=True), tasks=POSITIONS),
     Variant("nope", "no positional information at all (causal masking alone)", "arXiv:2305.19466",
             wrapper=dict(use_abs_pos_emb=False), tasks=POSITIONS, causal_only=True),
     Variant("infused", "sinusoids added to the q / k inputs of every layer (Shortformer)",

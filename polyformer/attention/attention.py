@@ -14,7 +14,7 @@ from ..interfaces import KV, AttnOut, Context, KernelSpec
 from ..position import relative
 from ..precision import upcast
 from ..registry import KERNEL, NORMALIZE, POSITION
-from . import patterns
+from . import gates, latent, patterns, scoring
 from .global_queries import GlobalQueries
 from .kernels import block_sparse
 from .kernels.direct import switch
@@ -40,18 +40,19 @@ class Attention(nn.Module):
         self.causal = causal and not cross
         self.layer = layer
         positional = not cross
-        self.project = Projection(dim, cfg, dim_context=(dim_context or dim) if cross else None,
-                                  infuse=positional and cfg.position == "infused")
+        project = latent.LatentProjection if latent.used(cfg) else Projection    # multi-latent attention
+        self.project = project(dim, cfg, dim_context=(dim_context or dim) if cross else None,
+                               infuse=positional and cfg.position == "infused")
         position = POSITION[cfg.position].build if positional else None
-        self.position = (position(self.project.qk_dim, cfg.rotary_dim, cfg.rotary_base, cfg.rotary_interleaved,
-                                  cfg.rotary_interpolation, cfg.rotary_llama3, cfg.rotary_scaling)
-                         if position is not None else None)
+        self.position = position(self.project.qk_dim, cfg) if position is not None else None
         self._bias = (shared_bias,) if positional and shared_bias is not None else ()
         self.relative = relative.build(cfg, dim, shared_relative) if positional else None
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
         build = NORMALIZE[cfg.normalize].build
         normalize = build(cfg.topk) if cfg.normalize == "topk" else build()
+        normalize = scoring.stage(cfg.scores, cfg.heads, normalize) or normalize   # sigmoid, soft-capping, sinks
+        self.qk_norm = scoring.qk_norm(cfg.scores, cfg.heads, self.project.kv_heads, self.project.qk_dim)
         choice = cfg.kernel
         if cross and not KERNEL[choice.name].caps.cross:    # cross-attention stays dense unless it serves both
             choice = Choice("kernel", "dense")
@@ -64,11 +65,13 @@ class Attention(nn.Module):
         self.direct = self.kernel.caps.form == "direct"
         self.cfg_kernel = choice.name
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
+        self.output = gates.wrap(self.output, dim, cfg)                   # per-head and output gates (gates.py)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
                         if cfg.pattern and not cross and not self.direct else None)   # a direct kernel applies its own
         own = patterns.own_projections(cfg.pattern)
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
         self.knn: nn.Module | None = None      # a kNN memory (knn_memory.py), given by the stack to chosen blocks
+        self.value_residual: nn.Module | None = None   # add_value_residual (value_residual.py), given by the stack
 
     @property
     def decode_window(self) -> object | None:
@@ -91,6 +94,8 @@ class Attention(nn.Module):
             q, kv = self.project.queries(x), self.context_kv(ctx)
         else:
             q, kv = self.project(x, self_source(x, ctx, self.layer), ctx.pos)   # q (b, h, i, d)
+        if self.value_residual is not None:
+            kv = self.value_residual(kv, x, ctx, self.layer)
         recalled = self.knn(q, kv, ctx) if self.knn is not None else None   # before positions: none stored
         if self.position is not None:
             q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)      # rotate before anything is cached
@@ -104,6 +109,8 @@ class Attention(nn.Module):
             memory = ctx.carried.get(self.layer)                  # a memory from the forward before (its summary)
         if self.memory_kv is not None:
             kv = self.memory_kv(kv)
+        if self.qk_norm is not None:
+            q, kv = self.qk_norm(q, kv)                           # cosine similarity on every key (scoring.py)
         if self.direct:
             if ctx.prefix_span is not None:
                 raise ValueError(f"prefix_len cannot combine with {switch('attention.kernel.', self.cfg_kernel)}")
@@ -133,6 +140,7 @@ class Attention(nn.Module):
 
     def attend(self, ctx: Context) -> nn.Module | partial:
         """The dense kernel, or the relative stage around it (its terms join the bias)."""
+        scoring.bind(self.kernel, ctx.losses)                     # the score stage's z-loss goes to this forward
         return self.kernel if self.relative is None else partial(self.relative, self.kernel, ctx.pos)
 
     def patterned(self, q: Tensor, kv: KV, ctx: Context, prev_scores: Tensor | None) -> AttnOut:
@@ -202,6 +210,8 @@ class Attention(nn.Module):
             else:
                 pattern = patterns.causal(ctx.pos, kv.pos)[:, None]           # (b|1, 1, i, j)
                 keep = pattern if keep is None else keep & pattern
+        if ctx.attn_mask is not None and not self.cross:      # x-transformers' attn_mask (attn_mask.py)
+            keep = ctx.attn_mask if keep is None else keep & ctx.attn_mask
         if kv.free and keep is not None:
             keep = F.pad(keep, (kv.free, 0), value=True)
         return keep, causal

@@ -16,6 +16,7 @@ from ..losses import AuxLosses, forward_with_losses, with_aux
 from ..attention.knn_memory import read_only
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
+from . import forgetful
 from .contrastive import amateur_wrappers, contrastive_steps, options
 from .fast import fast_step
 from .prompts import batch_prompts
@@ -61,10 +62,10 @@ class AutoregressiveWrapper(nn.Module):
     forward(x (b, n), mask=None, context=None, context_mask=None) -> mean next-token cross-entropy
     of predicting x[:, 1:] from x[:, :-1]. `mask` controls attention, `ignore_index` controls the
     loss: targets equal to ignore_index do not count (a warning says when a masked position's
-    target still counts).
+    target still counts). `mask_prob` > 0: forgetful causal masking while training (`generate.forgetful`).
     """
 
-    def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0):
+    def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0, mask_prob: float = 0.0):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"AutoregressiveWrapper wraps a TransformerWrapper, got {type(net).__name__}")
@@ -73,6 +74,7 @@ class AutoregressiveWrapper(nn.Module):
         self.net = net
         self.ignore_index = ignore_index
         self.pad_value = pad_value
+        self.mask_prob = forgetful.check(mask_prob, net.attn_layers)
         self.max_seq_len = net.max_seq_len
         self._compiled: dict[object, nn.Module] = {}   # backend -> compiled net; a dict keeps it out of state_dict
 
@@ -90,11 +92,15 @@ class AutoregressiveWrapper(nn.Module):
                 warnings.warn("mask hides positions whose targets still count in the loss; set those "
                               f"targets to ignore_index={self.ignore_index} to leave them out", stacklevel=2)
             mask = mask[:, :-1]
+        hidden = {}
+        if self.mask_prob > 0 and self.training:
+            hidden["attn_mask"] = forgetful.attn_mask(forgetful.hidden_keys(*inp.shape, self.mask_prob, inp.device))
         exited = next_token_loss(self.net, inp, target, self.ignore_index, mask=mask, context=context,
-                                 context_mask=context_mask)    # exit_layers (early_exit.py): the exits' weighted mean
+                                 context_mask=context_mask, **hidden)    # exit_layers (early_exit.py): the exits' weighted mean
         if exited is not None:
             return exited if return_losses else exited[0]
-        logits, aux = forward_with_losses(self.net, inp, mask=mask, context=context, context_mask=context_mask)
+        logits, aux = forward_with_losses(self.net, inp, mask=mask, context=context, context_mask=context_mask,
+                                          **hidden)
         loss = with_aux(F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index), aux)
         return (loss, aux) if return_losses else loss
 

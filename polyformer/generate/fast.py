@@ -40,7 +40,7 @@ from torch.nn.modules import module as module_hooks
 from .. import checks
 from . import plan, rows
 from ..attention.attention import Attention
-from ..attention.projection import split_heads
+from ..attention.projection import Projection, split_heads
 from ..embedding import LearnedPositions, TokenEmbedding
 from ..feedforward import FeedForward
 from ..interfaces import KV
@@ -183,6 +183,8 @@ class FastStep:
                     return "a relative position scheme (rel_pos_shaw, rel_pos_xl: position/relative.py)"
                 if attn._bias and attn._bias[0] is not stack.shared_bias:
                     return "a score bias that is not the stack's own"
+                if not isinstance(attn.project, Projection):
+                    return f"a projection of its own ({type(attn.project).__name__})"
                 if attn.project.infusion is not None or attn.project.mixing is not None:
                     return "position-infused or collaborative heads"
                 if attn.pattern is not None:

@@ -108,6 +108,6 @@ def feedforward(cfg: LayersConfig, position: int, block: int) -> nn.Module:
     ff_moe_every-th feedforward position, else the dense FeedForward."""
     if is_moe(cfg.ff.moe, position):
         return MoeFeedForward(cfg.dim, cfg, block)
-    from ..feedforward import FeedForward
+    from ..feedforward_norm import build     # FeedForward; with SoLU or post_act_ln (feedforward_norm.py)
 
-    return FeedForward(cfg.dim, cfg.ff)
+    return build(cfg.dim, cfg.ff)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import AttentionConfig, LayersConfig
+from ..config import BIAS_KEYWORD, AttentionConfig, LayersConfig
 from ..interfaces import KV, AttnOut
 
-KEYWORDS = {"shaw": "rel_pos_shaw", "xl": "rel_pos_xl"}
+KEYWORDS = {"shaw": "rel_pos_shaw", "xl": "rel_pos_xl", "cope": "attn_use_cope"}
 
 
 class RelativeStage(nn.Module):
@@ -101,7 +101,7 @@ def problems(cfg: LayersConfig) -> list[str]:
     name = KEYWORDS[a.relative.name]
     found = []
     if a.bias != "none":
-        other = "rel_pos_bias" if a.bias == "t5" else "alibi_pos_emb"
+        other = BIAS_KEYWORD[a.bias]
         found.append(f"{name} and {other} conflict: both are relative position schemes of the scores; choose one")
     if a.kernel.name != "dense":
         found.append(f"{name} adds terms to the dense scores; {switch('attention.kernel.', a.kernel.name)} "

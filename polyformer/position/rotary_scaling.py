@@ -194,7 +194,49 @@ class LongRope(RotaryScaling):
         return torch.where(length > self.original, self.long, self.short)
 
 
-SCALINGS: dict[str, type[RotaryScaling]] = {"yarn": Yarn, "dynamic": DynamicNtk, "longrope": LongRope}
+@dataclass(frozen=True)
+class NtkOptions:
+    factor: float                       # s: the base becomes base * s^(r / (r - 2))
+
+
+class StaticNtk(RotaryScaling):
+    """NTK-aware scaling with a fixed factor (bloc97, 2023; x-transformers' rotary_base_rescale_factor): base' =
+    base * s^(r / (r - 2)), so w'_i = w_i * s^(-2i / (r - 2)); static, so exact under the decode state. It may
+    join position interpolation (rotary_interpolation_factor), as x-transformers allows."""
+
+    options = NtkOptions
+    keyword = "rotary_base_rescale_factor"
+
+    def __init__(self, inv_freq: Tensor, base: float, o: NtkOptions):
+        super().__init__()
+        r = 2 * inv_freq.shape[-1]
+        exponents = torch.arange(0, r, 2, dtype=torch.float64) / max(r - 2, 1)
+        self.register_buffer("inv_freq", (inv_freq * float(o.factor) ** -exponents).float(), persistent=False)
+
+    @staticmethod
+    def check(o: NtkOptions, pairs: int) -> list[str]:
+        found = [] if checks.number(o.factor) and o.factor > 0 else [
+            f"{StaticNtk.keyword} must be a positive number, got {o.factor!r}"]
+        if pairs < 2:
+            found.append(f"{StaticNtk.keyword} rescales the base by an exponent r / (r - 2): it needs a rotary "
+                         "dimension r >= 4")
+        return found
+
+    def forward(self, length: Tensor | None) -> Tensor:
+        return self.inv_freq
+
+
+def ntk_keyword(arg: object) -> object:
+    """rotary_base_rescale_factor=s -> `Choice("rotary_scaling", "ntk", NtkOptions(s))`."""
+    from ..config import Choice
+
+    if not checks.number(arg):
+        raise TypeError(f"expected a positive number, got {arg!r}")
+    return Choice("rotary_scaling", "ntk", NtkOptions(float(arg)))
+
+
+SCALINGS: dict[str, type[RotaryScaling]] = {"yarn": Yarn, "dynamic": DynamicNtk, "longrope": LongRope,
+                                            "ntk": StaticNtk}
 
 
 def _keyword(name: str) -> Callable[[object], object]:
@@ -227,7 +269,7 @@ yarn_keyword, dynamic_ntk_keyword, longrope_keyword = _keyword("yarn"), _keyword
 def _option_problems(scaling: type[RotaryScaling], o: object, pairs: int) -> list[str]:
     """The out-of-range options of one scaling, naming its keyword: those every scaling has, then its own."""
     kw = scaling.keyword
-    found = checks.whole(o.original_max_len, f"{kw} original_max_len")
+    found = checks.whole(o.original_max_len, f"{kw} original_max_len") if hasattr(o, "original_max_len") else []
     m = getattr(o, "attention_factor", None)
     if m is not None and not (checks.number(m) and m > 0):
         found.append(f"{kw} attention_factor must be a positive number or None, got {m!r}")
@@ -244,7 +286,7 @@ def problems(cfg: "LayersConfig") -> list[str]:
         kw = scaling.keyword
         if a.position != "rotary":
             found.append(f"{kw} scales rotary positions but rotary_pos_emb is not True")
-        if a.rotary_interpolation != 1.0 or a.rotary_llama3 is not None:
+        if (a.rotary_interpolation != 1.0 and scaling is not StaticNtk) or a.rotary_llama3 is not None:
             found.append(f"{kw} and rotary_interpolation_factor / rotary_llama3_scaling are two rotary scalings; "
                          "choose one")
         if cfg.mixer is not None:

@@ -179,6 +179,8 @@ def test_continuous_wrapper_loss_and_cached_generation():
     assert_close(wrapper(x), F.mse_loss(net(x[:, :-1]), x[:, 1:]))
     start = torch.randn(2, 5, 4)
     assert_close(wrapper.generate(start, 6), wrapper.generate(start, 6, cache_kv=False), atol=1e-5, rtol=1e-5)
+    one = wrapper.generate(start[1], 6)                  # x-transformers' unbatched start: (seq, dim) -> (6, dim)
+    assert_close(one, wrapper.generate(start[1:], 6)[0])
     with pytest.raises(ValueError, match="dim_out"):
         ContinuousAutoregressiveWrapper(ContinuousTransformerWrapper(dim_in=4, dim_out=3, max_seq_len=8,
                                                                      attn_layers=Decoder(dim=16, depth=1)))

@@ -32,6 +32,7 @@ OPTIONS = {**DECODER_OPTIONS, **EXTRA}
 NOT_COVERED = {"attn_collab_heads", "position_infused_attn", "universal", "act",
                "rel_pos_shaw", "rel_pos_shaw_keys_only", "rel_pos_xl", "rel_pos_xl_shared_uv"}   # relative terms
 NOT_COVERED |= {"ff_moe", "ff_moe_capacity"}     # experts: the module path (FastStep.unsupported names them)
+NOT_COVERED |= {"mixture_of_softmax"}            # a head of its own (wrap/outputs.py): the module path
 COVERED = set(OPTIONS) - NOT_COVERED
 
 

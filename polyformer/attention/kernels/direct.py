@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...config import LayersConfig
+from ...config import BIAS_KEYWORD, LayersConfig
 
 
 def switch(prefix: str, name: str) -> str:
@@ -46,7 +46,7 @@ def problems(cfg: LayersConfig) -> list[str]:
             found.append(f"{name} needs a causal stack (a Decoder)")
         if a.bias != "none" and not caps.bias:
             found.append(f"{name} cannot take the stack's score bias "
-                         f"({'rel_pos_bias' if a.bias == 't5' else 'alibi_pos_emb'})")
+                         f"({BIAS_KEYWORD[a.bias]})")
         if a.normalize != "softmax":
             other = {"topk": "attn_sparse_topk", "entmax15": "attn_use_entmax15"}.get(a.normalize, a.normalize)
             found.append(f"{name} replaces the softmax; {other} cannot combine with it")

@@ -1,0 +1,1 @@
+"""The sequence wrappers, one file each, and the pieces they share (`polyformer.wrappers` re-exports them)."""
