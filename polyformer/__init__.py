@@ -12,10 +12,12 @@ from .generate.prompt_cache import load_prompt_cache, next_token_logits, save_pr
 from .generate.sampling import min_p, top_a, top_k, top_p
 from .generate.speculative import SpeculativeResult, speculative_generate
 from .generate.xl import XLAutoregressiveWrapper
+from .generate.xval import XValAutoregressiveWrapper
 from .layout import input_major
 from .quantize import Int8Linear, quantize_int8
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder, Intermediates
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
+from .xval import XValTransformerWrapper
 
 __all__ = [
     "AttentionConfig", "AttentionLayers", "AutoregressiveWrapper", "ContinuousAutoregressiveWrapper",
@@ -26,5 +28,6 @@ __all__ = [
     "Int8Linear", "quantize_int8", "input_major",
     "TransformerWrapper", "ViTransformerWrapper", "XTransformer", "build_model", "model_config",
     "NonAutoregressiveWrapper", "DPO",
+    "XValTransformerWrapper", "XValAutoregressiveWrapper",
 ]
 __version__ = "0.1.0"

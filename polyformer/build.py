@@ -12,8 +12,10 @@ from .config import LayersConfig, from_dict, to_dict
 from .encoder_decoder import XTransformer
 from .stack import AttentionLayers, CrossAttender, Decoder, Encoder
 from .wrappers import ContinuousTransformerWrapper, TransformerWrapper, ViTransformerWrapper
+from .xval import XValTransformerWrapper
 
-WRAPPERS = {cls.__name__: cls for cls in (TransformerWrapper, ContinuousTransformerWrapper, ViTransformerWrapper)}
+WRAPPERS = {cls.__name__: cls for cls in (TransformerWrapper, ContinuousTransformerWrapper, ViTransformerWrapper,
+                                          XValTransformerWrapper)}
 STACKS = {cls.__name__: cls for cls in (AttentionLayers, Encoder, Decoder, CrossAttender)}
 FORMAT = 1
 

@@ -25,6 +25,10 @@ from .attention.latent import LatentOptions
 from .attention.value_residual import ValueResidualOptions
 from .stack_policies import ReinjectOptions, par_layout
 from .attention.score_options import ScoreOptions
+from .attention.forgetting import ForgettingOptions
+from .residual_scale import ResidualScaleOptions
+from .resi_dual import ResiDualOptions
+from .attention.hard_attention import GumbelOptions
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ class AttentionConfig:
     relative: Choice | None = None      # q-dependent relative position terms (registry.RELATIVE): Shaw, Transformer-XL
     latent: LatentOptions | None = None   # multi-latent attention (attention/latent.py): attn_use_latent_q / _kv
     scores: ScoreOptions | None = None    # qk norm, sigmoid, soft-capping, sinks, z-loss, head gates (attention/scoring.py)
+    forgetting: ForgettingOptions | None = None   # attn_data_dependent_alibi (attention/forgetting.py)
+    head_scale: bool = False            # attn_head_scale: a learned scale per head's output (attention/head_scale.py)
+    topk_straight_through: bool = False   # top-k forward, full softmax gradient (attention/topk_straight.py)
+    gumbel: GumbelOptions | None = None   # attn_gumbel_softmax's tau and hard switch (attention/hard_attention.py)
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,8 @@ class LayersConfig:
     condition: ConditionOptions | None = None     # adaptive norms / layerscale read the forward's condition (conditioning.py)
     dyt_alpha: float = 1.0              # dynamic_tanh_init_alpha: use_dynamic_tanh's initial alpha (dyt.py)
     keep_final_norm: bool = True        # pre_norm_has_final_norm: a pre-norm stack's norm after the last block
+    residual_scale: ResidualScaleOptions | None = None   # scale_residual / scale_residual_constant (residual_scale.py)
+    resi_dual: ResiDualOptions | None = None   # ResiDual: Post-LN blocks and an accumulating stream (resi_dual.py)
     dynamic_pos_bias: DynamicBiasOptions | None = None   # dynamic_pos_bias's MLP (position/dynamic_bias.py)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     attention_layers: tuple[AttentionConfig, ...] | None = None   # one per self-attention block (attn_per_layer,

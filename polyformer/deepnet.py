@@ -133,8 +133,11 @@ def initialise(branch: nn.Module, beta: float) -> None:
             xavier_normal_rows_(project.to_kv.weight, (k_out, v_out), (1.0, beta))
         else:
             xavier_normal_rows_(project.to_qkv.weight, (q_out, k_out, v_out), (1.0, 1.0, beta))
-        out = branch.output.proj.weight
-        halves = (out.shape[0] // 2,) * 2 if branch.output.on_attn else (out.shape[0],)
+        output = branch.output
+        while not hasattr(output, "proj"):      # behind head scales / gates (attention/head_scale.py, gates.py)
+            output = output.output
+        out = output.proj.weight
+        halves = (out.shape[0] // 2,) * 2 if output.on_attn else (out.shape[0],)
         xavier_normal_rows_(out, halves, (beta, beta))
     elif any(True for _ in branch.parameters()):
         raise ValueError(f"deepnorm=True knows the weights of attention and feedforward blocks, not those of "

@@ -79,7 +79,8 @@ class XTransformer(nn.Module):
         if tie_token_emb and enc_wrap["num_tokens"] != dec_wrap["num_tokens"]:
             raise ValueError(f"tie_token_emb=True needs enc_num_tokens == dec_num_tokens, got "
                              f"{enc_wrap['num_tokens']} and {dec_wrap['num_tokens']}")
-        self.encoder = TransformerWrapper(**enc_wrap, attn_layers=Encoder(dim=dim, **enc_layers))
+        self.encoder = TransformerWrapper(**{"return_only_embed": True, **enc_wrap},    # its output is the context
+                                          attn_layers=Encoder(dim=dim, **enc_layers))
         if self.encoder.attn_layers.out_dim != dim:      # reversible_merge="concat": 2 dim features
             raise ValueError(f"XTransformer: enc_reversible_merge='concat' makes the encoder's output "
                              f"{self.encoder.attn_layers.out_dim} features wide; the decoder attends to dim ({dim})")

@@ -9,7 +9,11 @@ from .attention.knn_memory import layers_keyword as knn_layers
 from .attention.latent import RopeSubheads
 from .attention.score_options import AttendPast, ScoreRoute, same
 from .attention.value_residual import ValueResidualOptions
+from .attention.forgetting import ForgetKwargs, ForgettingOptions
+from .attention.hard_attention import GumbelOptions
 from .stack_policies import ReinjectOptions
+from .residual_scale import ScaleRoute
+from .resi_dual import ResiDualOptions
 from .hourglass import keyword as _hourglass
 from .moe.options import MoeOptions
 from .conditioning import ConditionOptions
@@ -234,4 +238,23 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "add_value_residual": flag(value_residual=ValueResidualOptions()),
     "learned_value_residual_mix": Route("value_residual.learned"),
     "cross_attn_tokens_dropout": Route("cross_attn_tokens_dropout"),
+    # Forgetting Transformer (attention/forgetting.py), x-transformers' data-dependent ALiBi and its per-row form
+    "attn_data_dependent_alibi": flag(attention__forgetting=ForgettingOptions()),
+    "attn_data_dependent_alibi_per_row": Route("attention.forgetting.per_row"),
+    "attn_data_dependent_alibi_per_row_dim_head": Route("attention.forgetting.per_row_dim_head"),
+    "attn_data_dependent_alibi_kwargs": ForgetKwargs("attention.forgetting.post_log_scale"),
+    # x-transformers' norm / residual extras (simple_rmsnorm.py, residual_scale.py, resi_dual.py,
+    # attention/head_scale.py, attention/topk_straight.py); their attention z-loss spellings: attention/z_loss.py
+    "use_simple_rmsnorm": flag(norm="simple_rms"),
+    "scale_residual": ScaleRoute("residual_scale.learned"),
+    "scale_residual_constant": ScaleRoute("residual_scale.constant"),
+    "resi_dual": flag(placement="post", resi_dual=ResiDualOptions()),
+    "resi_dual_scale": Route("resi_dual.scale"),
+    "attn_head_scale": Route("attention.head_scale"),
+    "attn_sparse_topk_straight_through": Route("attention.topk_straight_through"),
+    # hard and Gumbel-softmax attention (attention/hard_attention.py): normalisers that pick one key
+    "attn_hard": flag(attention__normalize="hard"),
+    "attn_gumbel_softmax": flag(attention__normalize="gumbel", attention__gumbel=GumbelOptions()),
+    "attn_gumbel_softmax_temp": Route("attention.gumbel.temp"),
+    "attn_gumbel_softmax_hard": Route("attention.gumbel.hard"),
 }

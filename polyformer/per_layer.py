@@ -189,4 +189,5 @@ def check_state(stack: "AttentionLayers", owner: str) -> None:
             raise ValueError(
                 f"{owner}: {KEYWORD}[{keyed[0][0]}] and {KEYWORD}[{i}] keep keys of different shapes in a decode "
                 f"state ((key heads, key size, value heads, value size) {keyed[0][1]} vs {dims}): heads / "
-                "attn_dim_head / attn_kv_heads / attn_collab_heads must agree across the blocks that keep keys")
+                "attn_dim_head / attn_kv_heads / attn_collab_heads / attn_data_dependent_alibi(_per_row) must agree "
+                "across the blocks that keep keys")

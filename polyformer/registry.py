@@ -13,6 +13,7 @@ from torch import nn
 from .attention.kernels import DIRECT_KERNELS
 from .attention.kernels.dense import DenseKernel
 from .attention.normalize import Entmax15, Softmax, TopK
+from .attention.hard_attention import GumbelSoftmax, HardMax
 from .attention.patterns import PIECES
 from .feedforward import GeluTanh, ReluSquared
 from .interfaces import Caps
@@ -20,6 +21,7 @@ from .mixers import MIXERS
 from .norm import LayerNorm, RMSNorm, ScaleNorm
 from .conditioning import AdaptiveLayerNorm, AdaptiveRMSNorm
 from .dyt import DynamicTanh
+from .simple_rmsnorm import SimpleRMSNorm
 from .feedforward_norm import SoLU
 from .position.bias import AlibiBias, T5Bias
 from .position.cope import CopeOptions, CopeRelative
@@ -43,11 +45,13 @@ def _plain(table: dict[str, Any]) -> dict[str, Entry]:
 
 
 NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None,
-               "dyt": DynamicTanh, "adaptive_layer": AdaptiveLayerNorm, "adaptive_rms": AdaptiveRMSNorm})
+               "dyt": DynamicTanh, "adaptive_layer": AdaptiveLayerNorm, "adaptive_rms": AdaptiveRMSNorm,
+               "simple_rms": SimpleRMSNorm})     # use_simple_rmsnorm: no gain (simple_rmsnorm.py)
 RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate, "deepnorm": ScaledAdd})
 ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
                      "swish": nn.SiLU, "solu": SoLU})   # SoLU: built with the hidden width (feedforward_norm.py)
-NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15})
+NORMALIZE = _plain({"softmax": Softmax, "topk": TopK, "entmax15": Entmax15,
+                    "hard": HardMax, "gumbel": GumbelSoftmax})     # attn_hard, attn_gumbel_softmax (hard_attention.py)
 # "infused" acts on the projection inputs (see attention/projection.py), the others on q and k
 POSITION = _plain({"none": None, "rotary": Rotary.from_config, "infused": None})   # built from (qk dim, AttentionConfig)
 # how rotary positions stretch past the trained context (position/rotary_scaling.py): the Rotary builds them

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from . import conditioning, dyt, feedforward_norm, hyper, layerscale
+from . import conditioning, dyt, feedforward_norm, hyper, layerscale, resi_dual, residual_scale
+from .attention import head_scale, topk_straight
+from .registry import NORM
 from .conditioning import Conditioning, _Adaptive
 from .dyt import DynamicTanh
 from .hyper import HyperConnection, StreamRead, Streams
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 def setup(stack: "AttentionLayers") -> None:
     """Rewire the stack's blocks for the options its config names (after the blocks and final norm exist)."""
     cfg = stack.cfg
+    resi_dual.setup(stack, NORM[cfg.norm].build(cfg.dim, cfg.norm_eps) if NORM[cfg.norm].build else None)
+    residual_scale.setup(stack)         # scale_residual (residual_scale.py)
     if not cfg.keep_final_norm:
         stack.final_norm = None
     for m in stack.modules():
@@ -61,12 +65,13 @@ def enter(stack: "AttentionLayers", x: Tensor, condition: Tensor | None) -> Tens
             raise ValueError(f"condition must be a float tensor (batch={x.shape[0]}, dim_condition={c.dim_condition}) "
                              f"or (batch, {x.shape[1]} positions, dim_condition), got {got}")
         c.set(condition)
+    resi_dual.enter(stack, x)           # the accumulating stream starts as x (resi_dual.py)
     return stack.streams.expand(x) if stack.streams is not None else x
 
 
 def leave(stack: "AttentionLayers", x: Tensor) -> Tensor:
     """After the blocks: the n streams summed back to one (before the final norm)."""
-    return stack.streams.reduce(x) if stack.streams is not None else x
+    return resi_dual.leave(stack, stack.streams.reduce(x) if stack.streams is not None else x)
 
 
 def release(stack: "AttentionLayers") -> None:
@@ -77,7 +82,8 @@ def release(stack: "AttentionLayers") -> None:
 
 def problems(cfg) -> list[str]:
     """The options' own checks, each naming its keywords (run by rules.check)."""
-    found = [p for piece in (hyper, layerscale, conditioning, dyt, feedforward_norm) for p in piece.problems(cfg)]
+    found = [p for piece in (residual_scale, hyper, layerscale, conditioning, dyt, feedforward_norm, head_scale,
+                             topk_straight) for p in piece.problems(cfg)]      # resi_dual's: before reversible's (rules.py)
     if not isinstance(cfg.keep_final_norm, bool):
         found.append(f"pre_norm_has_final_norm must be True or False, got {cfg.keep_final_norm!r}")
     elif not cfg.keep_final_norm and cfg.placement == "post":

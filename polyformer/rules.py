@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
+from .attention.hard_attention import keyword as normalizer_keyword
 from .config import LayersConfig
 from .registry import ACTIVATION, NORM, NORMALIZE, POSITION, RESIDUAL, SCORE_BIAS
 
@@ -37,7 +38,7 @@ def needs_explicit_path(c: LayersConfig) -> list[str]:
     elif a.normalize == "entmax15":
         reasons.append("attn_use_entmax15=True")
     elif a.normalize != "softmax":
-        reasons.append(f"attn normalize={a.normalize!r}")
+        reasons.append(f"{normalizer_keyword(a.normalize)}=True")
     if a.talking_heads:
         reasons.append("attn_talking_heads=True")
     if a.relative is not None and getattr(a.relative.options, "values", False):
@@ -72,7 +73,7 @@ RULES: list[Rule] = [
     Rule(lambda c: c.attention.topk is not None and c.attention.topk < 1,
          "attn_sparse_topk must be >= 1, got {attention.topk}"),
     Rule(lambda c: c.attention.topk is not None and c.attention.normalize != "topk",
-         "attn_sparse_topk and attn_use_entmax15 conflict: choose one way to normalise attention"),
+         "attn_sparse_topk and {normalizer} conflict: choose one way to normalise attention"),
     Rule(lambda c: c.attention.normalize == "topk" and c.attention.topk is None,
          "top-k attention needs attn_sparse_topk=k"),
     Rule(lambda c: c.attention.normalize == "entmax15" and importlib.util.find_spec("entmax") is None,
@@ -138,7 +139,8 @@ RULES: list[Rule] = [
     Rule(lambda c: c.cross_residual_attn and not (c.cross_attend or c.only_cross),
          "cross_residual_attn=True needs cross_attend=True"),
     Rule(lambda c: c.norm == "none" and c.placement != "pre",
-         "use_rezero=True removes the norms; it cannot be combined with pre_norm=False or sandwich_norm=True"),
+         "use_rezero=True removes the norms; it cannot be combined with pre_norm=False, sandwich_norm=True or "
+         "resi_dual=True"),
     Rule(lambda c: c.attention.fused is True and bool(needs_explicit_path(c)),
          "attn_flash=True asks for the fused kernel, which cannot run {explicit}"),
     Rule(lambda c: c.attention.normalize not in NORMALIZE, "unknown attention normaliser {attention.normalize!r}"),
@@ -163,6 +165,8 @@ class _Fields(dict):
             return len(self.cfg.layout)
         if key == "n_shift":
             return len(self.cfg.shift_tokens) if isinstance(self.cfg.shift_tokens, tuple) else 1
+        if key == "normalizer":
+            return normalizer_keyword(self.cfg.attention.normalize)
         if key == "explicit":
             return ", ".join(needs_explicit_path(self.cfg))
         return getattr(self.cfg, key)
@@ -173,14 +177,14 @@ def check(cfg: LayersConfig, owner: str = "AttentionLayers") -> None:
     for rule in RULES:
         if rule.broken(cfg):
             raise ValueError(f"{owner}: " + rule.message.format_map(_Fields(cfg)))
-    from . import deepnet, hourglass, moe, residual_extras, reversible, stack_policies, universal
-    from .attention import knn_memory, latent, scoring
+    from . import deepnet, hourglass, moe, resi_dual, residual_extras, reversible, stack_policies, universal
+    from .attention import forgetting, hard_attention, knn_memory, latent, scoring
     from .attention.kernels import direct
     from .position import dynamic_bias, relative, rotary, rotary_scaling
 
-    found = [problem for piece in (direct, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling,
+    found = [problem for piece in (direct, resi_dual, reversible, deepnet, universal, hourglass, moe, relative, rotary_scaling,
                                    knn_memory, latent, scoring, residual_extras, rotary, dynamic_bias,
-                                   stack_policies)
+                                   stack_policies, forgetting, hard_attention)
              for problem in piece.problems(cfg)]      # each variant's own checks, in this order
     if found:
         raise ValueError(f"{owner}: " + found[0])

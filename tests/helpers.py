@@ -12,7 +12,8 @@ from polyformer import AttentionLayers, Decoder, Encoder, TransformerWrapper
 WRAPPER_KEYS = ("num_memory_tokens", "max_mem_len", "shift_mem_down", "emb_dropout", "tie_embedding",
                 "use_abs_pos_emb", "scaled_sinu_pos_emb", "emb_dim", "logits_bias", "post_emb_norm",
                 "embed_num_tokens", "axial_pos_emb", "axial_pos_emb_dims", "abs_pos_per_layer", "randomized_pos",
-                "l2norm_embed", "emb_frac_gradient", "mixture_of_softmax", "mixture_of_softmax_k")
+                "l2norm_embed", "emb_frac_gradient", "mixture_of_softmax", "mixture_of_softmax_k",
+                "memory_tokens_interspersed_every")
 
 
 def tiny_lm(stack: type[AttentionLayers] = Decoder, num_tokens: int = 64, max_seq_len: int = 32,

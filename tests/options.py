@@ -226,13 +226,40 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "attn_use_cope": dict(attn_use_cope=True, attn_cope_max_pos=4, attn_kv_heads=2, attn_num_mem_kv=2),
     "attn_cope_soft_onehot": dict(attn_use_cope=True, attn_cope_soft_onehot_pos=True, attn_cope_talking_heads=True,
                                   attn_window=4),
+    # x-transformers' norm / residual extras (simple_rmsnorm.py, residual_scale.py, resi_dual.py,
+    # attention/head_scale.py, attention/topk_straight.py)
+    "use_simple_rmsnorm": dict(use_simple_rmsnorm=True, shift_tokens=1, num_memory_tokens=2),
+    "scale_residual": dict(scale_residual=0.5, scale_residual_constant=0.9, attn_kv_heads=2, rotary_pos_emb=True),
+    "resi_dual": dict(resi_dual=True, resi_dual_scale=0.1, rotary_pos_emb=True, attn_num_mem_kv=2, shift_tokens=1),
+    "attn_head_scale": dict(attn_head_scale=True, attn_gate_value_heads=True, attn_kv_heads=2),
+    "attn_sparse_topk_straight_through": dict(attn_sparse_topk=3, attn_sparse_topk_straight_through=True,
+                                              attn_num_mem_kv=2),
+    # hard attention (attention/hard_attention.py): one key per query, with GQA, memory key / values and rotary;
+    # Gumbel-softmax draws in eval too (as x-transformers): its cached == uncached test is in test_hard_attention.py
+    "attn_hard": dict(attn_hard=True, attn_kv_heads=2, attn_num_mem_kv=2, rotary_pos_emb=True),
+    # Forgetting Transformer (attention/forgetting.py): gates that forget (bias_init 1: log f near -0.3) with GQA,
+    # memory key / values, rotary and sigmoid attention (where c_i does not cancel); per row with soft-capping
+    "attn_data_dependent_alibi": dict(attn_data_dependent_alibi=True, attn_kv_heads=2, attn_num_mem_kv=2,
+                                      attn_data_dependent_alibi_kwargs=dict(bias_init=1.0, post_log_scale=2.0),
+                                      rotary_pos_emb=True, attn_sigmoid=True),
+    "attn_data_dependent_alibi_per_row": dict(attn_data_dependent_alibi=True, attn_data_dependent_alibi_per_row=True,
+                                              attn_data_dependent_alibi_per_row_dim_head=4, attn_one_kv_head=True,
+                                              attn_softclamp_logits=True, attn_logit_softclamp_value=2.0,
+                                              num_memory_tokens=2, shift_tokens=1),
+    # memory tokens every m tokens (wrap/interspersed.py): decoder only; rows place them by their own positions
+    "memory_tokens_interspersed_every": dict(num_memory_tokens=2, memory_tokens_interspersed_every=4,
+                                             rotary_pos_emb=True, attn_kv_heads=2),
+    "memory_tokens_interspersed_abs": dict(num_memory_tokens=1, memory_tokens_interspersed_every=3,
+                                           attn_num_mem_kv=2, ff_glu=True),
 }
 DECODER_ONLY, ENCODER_ONLY = {"attn_sink_tokens"}, {"attn_blockwise", "attn_bigbird_blocks"}
 # kernels and mixers that cannot be causal (refused in a Decoder) or need one
 KERNEL_ENCODER_ONLY: set[str] = {"attn_fnet", "attn_linformer", "attn_nystrom", "attn_sinkhorn_sortcut",
                                  "attn_lsh_global"}
 KERNEL_DECODER_ONLY: set[str] = {"rotary_xpos", "attn_use_cope", "attn_cope_soft_onehot", "attn_rfa_gate", "attn_adaptive_span", "landmark_block", "attn_infini",
-                                  "attn_infini_delta", "exit_layers", "attn_max_attend_past"}
+                                  "attn_infini_delta", "exit_layers", "attn_max_attend_past",
+                                  "attn_data_dependent_alibi_per_row", "memory_tokens_interspersed_every",
+                                  "memory_tokens_interspersed_abs"}
 DECODER_OPTIONS = LAYER_OPTIONS
 ENCODER_OPTIONS = LAYER_OPTIONS
 DECODER_PATTERNS = {k: v for k, v in PATTERN_OPTIONS.items() if k not in ENCODER_ONLY}

@@ -52,6 +52,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             tasks=("mqar", "listops")),
     Variant("entmax15", "sparse entmax-1.5 instead of softmax", "arXiv:1909.00015",
             layers=dict(rotary_pos_emb=True, attn_use_entmax15=True), tasks=()),
+    Variant("hard", "one key per query, its largest score; softmax's gradient (x-transformers' attn_hard)",
+            "arXiv:2410.01104", layers=dict(rotary_pos_emb=True, attn_hard=True), tasks=()),
+    Variant("gumbel", "one key per query drawn by Gumbel-max (in eval too); the soft draw's gradient",
+            "arXiv:1611.01144", layers=dict(rotary_pos_emb=True, attn_gumbel_softmax=True), tasks=()),
     # --- positions ---------------------------------------------------------------------------
     Variant("abs_learned", "learned absolute positions (one vector per position)", "arXiv:1706.03762",
             wrapper=dict(use_abs_pos_emb=True), tasks=POSITIONS),   # mqar gives every row learned positions

@@ -14,7 +14,7 @@ from ..interfaces import KV, AttnOut, Context, KernelSpec
 from ..position import relative
 from ..precision import upcast
 from ..registry import KERNEL, NORMALIZE, POSITION
-from . import gates, latent, patterns, scoring
+from . import forgetting, gates, head_scale, latent, patterns, scoring, topk_straight
 from .global_queries import GlobalQueries
 from .kernels import block_sparse
 from .kernels.direct import switch
@@ -50,7 +50,9 @@ class Attention(nn.Module):
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
         build = NORMALIZE[cfg.normalize].build
-        normalize = build(cfg.topk) if cfg.normalize == "topk" else build()
+        normalize = (build(cfg.topk) if cfg.normalize == "topk" else build(cfg.gumbel) if cfg.gumbel is not None
+                     else build())                # attn_gumbel_softmax's options (hard_attention.py)
+        normalize = topk_straight.wrap(normalize, cfg)     # attn_sparse_topk_straight_through
         normalize = scoring.stage(cfg.scores, cfg.heads, normalize) or normalize   # sigmoid, soft-capping, sinks
         self.qk_norm = scoring.qk_norm(cfg.scores, cfg.heads, self.project.kv_heads, self.project.qk_dim)
         choice = cfg.kernel
@@ -66,12 +68,14 @@ class Attention(nn.Module):
         self.cfg_kernel = choice.name
         self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
         self.output = gates.wrap(self.output, dim, cfg)                   # per-head and output gates (gates.py)
+        self.output = head_scale.wrap(self.output, cfg)                   # attn_head_scale (NormFormer)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
                         if cfg.pattern and not cross and not self.direct else None)   # a direct kernel applies its own
         own = patterns.own_projections(cfg.pattern)
         self.global_queries = GlobalQueries(dim, cfg, own) if own is not None and not cross else None
         self.knn: nn.Module | None = None      # a kNN memory (knn_memory.py), given by the stack to chosen blocks
         self.value_residual: nn.Module | None = None   # add_value_residual (value_residual.py), given by the stack
+        self.forget = forgetting.build(dim, cfg, self.project.kv_heads, self.causal) if not cross else None
 
     @property
     def decode_window(self) -> object | None:
@@ -87,7 +91,8 @@ class Attention(nn.Module):
     @property
     def decode_dims(self) -> tuple[int, int, int, int]:
         """(key heads, key size, value heads, value size) of what a "keys" decode state stores."""
-        return self.project.kv_heads, self.project.qk_dim, self.project.v_heads, self.project.dim_head
+        extra = self.forget.columns if self.forget is not None else 0     # its gate terms ride with the keys
+        return self.project.kv_heads, self.project.qk_dim + extra, self.project.v_heads, self.project.dim_head
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
         if self.cross:
@@ -99,8 +104,10 @@ class Attention(nn.Module):
         recalled = self.knn(q, kv, ctx) if self.knn is not None else None   # before positions: none stored
         if self.position is not None:
             q, kv.k = self.position(q, kv.k, ctx.pos, kv.pos)      # rotate before anything is cached
-        memory = None
-        if ctx.state is not None and not self.cross:
+        memory = forget_bias = None
+        if self.forget is not None:                               # attn_data_dependent_alibi (forgetting.py)
+            kv, forget_bias = self.forget(kv, x, ctx, self.layer)   # writes the decode state itself
+        elif ctx.state is not None and not self.cross:
             if self.kernel.caps.decode == "recurrent":
                 memory = ctx.state.recurrent(self.layer)          # a fixed-size summary of earlier keys
             else:
@@ -129,7 +136,7 @@ class Attention(nn.Module):
                 out.out = self.knn.mix(out.out, recalled)
             return AttnOut(self.output(out.out, x), scores=out.scores, weights=out.weights)
         mask, causal = self.keep(ctx, kv)
-        bias = self._bias[0](ctx.pos, kv.pos) if self._bias else None
+        bias = self._bias[0](ctx.pos, kv.pos) if self._bias else forget_bias
         if bias is not None and kv.free:
             bias = F.pad(bias, (kv.free, 0))
         out = self.attend(ctx)(q, kv, mask=mask, bias=bias, causal=causal, prev_scores=prev_scores,

@@ -24,6 +24,7 @@ from .. import checks
 from ..interfaces import KV
 from ..losses import AuxLosses
 from ..precision import upcast
+from .hard_attention import keyword as normalizer_keyword
 from .mixing import TalkingHeads
 from .normalize import fill_masked, zero_masked
 from .score_options import ScoreOptions
@@ -189,7 +190,7 @@ def _problems(a: Any, cfg: "LayersConfig") -> list[str]:
     on = [keyword(f) if f != "z_loss_weight" else "attn_z_loss_weight" for f in SCORE_FIELDS if getattr(o, f)]
     if o.sigmoid:
         if a.normalize != "softmax":
-            other = {"topk": "attn_sparse_topk", "entmax15": "attn_use_entmax15"}.get(a.normalize, a.normalize)
+            other = normalizer_keyword(a.normalize)
             found.append(f"attn_sigmoid and {other} conflict: each chooses how scores become weights; choose one")
         clash = [keyword(f) for f in ("head_sink", "zero_kv") if getattr(o, f)]
         clash += ["attn_z_loss_weight"] if o.z_loss_weight > 0 else []

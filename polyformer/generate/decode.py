@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..early_exit import next_token_loss
-from ..losses import AuxLosses, forward_with_losses, with_aux
+from ..losses import AuxLosses, with_aux
+from ..attention import z_loss
 from ..attention.knn_memory import read_only
 from ..memory.kv_cache import DecodeState
 from ..wrappers import TransformerWrapper
@@ -65,7 +66,8 @@ class AutoregressiveWrapper(nn.Module):
     target still counts). `mask_prob` > 0: forgetful causal masking while training (`generate.forgetful`).
     """
 
-    def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0, mask_prob: float = 0.0):
+    def __init__(self, net: TransformerWrapper, ignore_index: int = -100, pad_value: int = 0, mask_prob: float = 0.0,
+                 add_attn_z_loss: bool = False):
         super().__init__()
         if not isinstance(net, TransformerWrapper):
             raise TypeError(f"AutoregressiveWrapper wraps a TransformerWrapper, got {type(net).__name__}")
@@ -75,6 +77,14 @@ class AutoregressiveWrapper(nn.Module):
         self.ignore_index = ignore_index
         self.pad_value = pad_value
         self.mask_prob = forgetful.check(mask_prob, net.attn_layers)
+        if not isinstance(add_attn_z_loss, bool):
+            raise TypeError(f"AutoregressiveWrapper: add_attn_z_loss must be True or False, got {add_attn_z_loss!r}")
+        if add_attn_z_loss:         # the attention z-loss joins the loss (attention/z_loss.py)
+            z_loss.check("AutoregressiveWrapper", net.attn_layers)
+            if net.attn_layers.early_exit is not None:
+                raise ValueError("AutoregressiveWrapper: add_attn_z_loss cannot combine with exit_layers (the exits' "
+                                 "loss runs its own forward); give the stack attn_z_loss_weight instead")
+        self.add_attn_z_loss = add_attn_z_loss
         self.max_seq_len = net.max_seq_len
         self._compiled: dict[object, nn.Module] = {}   # backend -> compiled net; a dict keeps it out of state_dict
 
@@ -99,8 +109,8 @@ class AutoregressiveWrapper(nn.Module):
                                  context_mask=context_mask, **hidden)    # exit_layers (early_exit.py): the exits' weighted mean
         if exited is not None:
             return exited if return_losses else exited[0]
-        logits, aux = forward_with_losses(self.net, inp, mask=mask, context=context, context_mask=context_mask,
-                                          **hidden)
+        logits, aux = z_loss.with_losses(self.net, self.add_attn_z_loss, inp, mask=mask, context=context,
+                                         context_mask=context_mask, **hidden)
         loss = with_aux(F.cross_entropy(logits.transpose(1, 2), target, ignore_index=self.ignore_index), aux)
         return (loss, aux) if return_losses else loss
 

@@ -128,6 +128,9 @@ def save_prompt_cache(path: str | os.PathLike, net: nn.Module, state: DecodeStat
         raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
     if net.attn_layers.hourglass is not None:
         raise ValueError("a prompt cache keeps keys at one resolution; an hourglass stack (hourglass=...) has several")
+    if net.landmarks is not None or net.interspersed is not None:
+        raise ValueError("a prompt cache stores the prompt's tokens; landmark_block / memory_tokens_interspersed_every "
+                         "place tokens of their own between them")
     prompt = checks.token_ids(prompt, net.num_tokens, "prompt")
     if state.pending:
         raise ValueError("state has a step under way (pending positions): save it between steps")

@@ -34,8 +34,8 @@ def check_restrict(wrapper: nn.Module, restrict: bool | None, n: int, seq_len: i
         reason = "its learned absolute positions cannot move"
     elif layers.window is not None and (layers.window[0] > 0 or layers.window[1] > limit):
         reason = f"its attention window (sinks, span) = {layers.window} reaches past the last max_seq_len tokens"
-    elif layers.hourglass is not None or net.landmarks is not None:
-        reason = "its decode state (hourglass / landmarks) cannot drop single tokens"
+    elif layers.hourglass is not None or net.landmarks is not None or net.interspersed is not None:
+        reason = "its decode state (hourglass / landmarks / interspersed memory tokens) cannot drop single tokens"
     elif any(b.branch.decode_kind == "recurrent" for b in layers.blocks if b.kind == "a"):
         reason = "a recurrent summary cannot forget the tokens it summarised"
     if reason is not None:

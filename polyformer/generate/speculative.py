@@ -137,6 +137,9 @@ def _unwrap(model: object, name: str) -> TransformerWrapper:
         raise ValueError(f"{name} needs a causal stack (a Decoder)")
     if "c" in net.attn_layers.layout:
         raise ValueError(f"{name} has cross-attention blocks; speculative_generate takes no context")
+    if net.landmarks is not None or net.interspersed is not None:
+        raise ValueError(f"{name} places tokens of its own between the text's (landmark_block / "
+                         "memory_tokens_interspersed_every): a rollback of rejected tokens cannot count them")
     return net
 
 

@@ -3,13 +3,18 @@
 positions and gives their outputs. Behind it is our decode state: the first time a record is used as a
 cache, its inputs are run into a new state (once); each later record continues the same state in place,
 so a record is good until another record of the same run has been continued (using an older one runs its
-inputs again)."""
+inputs again).
+
+input_not_include_cache=True (the wrapper's default, or the forward's): x holds only the new inputs, and the
+per-position arguments (mask, pos, ...) cover only them; the record keeps the inputs it has seen (`inputs`),
+which go before them, so this is the same run as giving the whole input."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from ..memory.kv_cache import DecodeState
@@ -80,3 +85,59 @@ def cached(wrapper: Any, x: Tensor, cache: object, front: int, call: Callable[..
     record.cache_length, record.decode = total, run
     run.at = record
     return out, record
+
+
+# what a per-position argument is where it was not given
+FILL = {"mask": True, "global_mask": False, "sum_embeds": 0.0, "embed_ids": 0}
+
+
+def check_flag(owner: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: input_not_include_cache must be True or False, got {value!r}")
+    return value
+
+
+def excludes(cache: object, given: bool | None, default: bool) -> bool:
+    """Whether x leaves out the cached inputs: the forward's input_not_include_cache, else the wrapper's."""
+    if given is not None and not isinstance(given, bool):
+        raise TypeError(f"input_not_include_cache must be True, False or None, got {given!r}")
+    if given and cache is None:
+        raise ValueError("input_not_include_cache=True says x continues a cache; pass cache=")
+    return cache is not None and (default if given is None else given)
+
+
+def _joined(old: Any, new: Any, name: str, b: int, done: int, n: int, device: torch.device) -> Any:
+    if isinstance(old, dict) or isinstance(new, dict):
+        old, new = old or {}, new or {}
+        return {k: _joined(old.get(k), new.get(k), k, b, done, n, device) for k in {**old, **new}} or None
+    if old is None and new is None:
+        return None
+    like = new if new is not None else old
+    fill = lambda m: torch.full((b, m, *like.shape[2:]), FILL[name], dtype=like.dtype, device=device)  # noqa: E731
+    return torch.cat((old if old is not None else fill(done), new if new is not None else fill(n)), dim=1)
+
+
+def joined(cache: object, x: Tensor, pos: Tensor | None, given: dict[str, Any]
+           ) -> tuple[Tensor, Tensor | None, dict[str, Any]]:
+    """The record's inputs, then x (b, n, ...) and its per-position arguments: (x, pos, arguments) over both.
+    A position not given is the default: kept (mask), none added (sum_embeds), id 0 (embed_ids), and for pos
+    the positions after the record's last one."""
+    if not isinstance(cache, WrapperRecord) or cache.inputs is None:
+        raise TypeError("with input_not_include_cache, cache must be a record a forward returned with "
+                        f"return_intermediates=True (without state=), got {type(cache).__name__}")
+    old_x, old_pos, old = cache.inputs
+    if tuple(x.shape[:1]) + tuple(x.shape[2:]) != tuple(old_x.shape[:1]) + tuple(old_x.shape[2:]):
+        raise ValueError(f"with input_not_include_cache, x must continue the cached inputs {tuple(old_x.shape)}, "
+                         f"got {tuple(x.shape)}")
+    b, done, n, device = x.shape[0], old_x.shape[1], x.shape[1], x.device
+    if old_pos is not None or pos is not None:
+        steps = torch.arange(n, device=device)[None]
+        old_pos = old_pos if old_pos is not None else torch.arange(done, device=device)[None]
+        if pos is not None and (pos.ndim != 2 or pos.shape[0] not in (1, b) or pos.shape[1] != n):
+            raise ValueError(f"with input_not_include_cache, pos covers the new inputs: (batch or 1, {n}), got "
+                             f"{tuple(pos.shape)}")
+        pos = pos if pos is not None else old_pos[:, -1:] + 1 + steps
+        rows = max(old_pos.shape[0], pos.shape[0])
+        pos = torch.cat((old_pos.expand(rows, -1), pos.expand(rows, -1)), dim=1)
+    merged = {k: _joined(old.get(k), v, k, b, done, n, device) for k, v in given.items()}
+    return torch.cat((old_x, x), dim=1), pos, merged

@@ -28,7 +28,7 @@ class ContinuousTransformerWrapper(SequenceWrapper):
     average_pool_embed: the output is the masked average over positions, (b, dim_out).
 
     forward takes, besides TransformerWrapper's stack arguments, `seq_start_pos`, `sum_embeds` (b, n, dim),
-    `prepend_embeds` / `prepend_mask` and `cache` as TransformerWrapper does.
+    `prepend_embeds` / `prepend_mask`, `cache` and `input_not_include_cache` as TransformerWrapper does.
     """
 
     @checked_keywords
@@ -83,25 +83,32 @@ class ContinuousTransformerWrapper(SequenceWrapper):
                 state: DecodeState | None = None, prefix_len: Tensor | int | None = None,
                 global_mask: Tensor | None = None, seq_start_pos: Tensor | None = None,
                 sum_embeds: Tensor | None = None, prepend_embeds: Tensor | None = None,
-                prepend_mask: Tensor | None = None, cache: WrapperRecord | None = None) -> Any:
+                prepend_mask: Tensor | None = None, cache: WrapperRecord | None = None,
+                input_not_include_cache: bool = False) -> Any:
         checks.floats("x", x, 3, "(batch, seq, dim_in)")
         if x.shape[-1] != self.dim_in:
             raise ValueError(f"x has feature size {x.shape[-1]}, expected dim_in={self.dim_in}")
         if not self.allow_nonfinite:
             checks.finite("x", x)
+        given = dict(mask=mask, global_mask=global_mask, sum_embeds=sum_embeds)
+        if cache_mod.excludes(cache, input_not_include_cache, False):
+            x, pos, given = cache_mod.joined(cache, x, pos, given)     # the record's inputs, then x
+            mask, global_mask, sum_embeds = given.values()
         b, n = x.shape[:2]
         mask, pos = inputs.left_padding(seq_start_pos, mask, pos, b, n, x.device)
+        given["mask"] = mask
         if cache is not None:
             if state is not None:
                 raise ValueError("pass cache or state, not both")
 
             call = cache_mod.caller(
-                self.forward, x, pos, dict(mask=mask, global_mask=global_mask, sum_embeds=sum_embeds),
+                self.forward, x, pos, given,
                 dict(context=context, context_mask=context_mask, return_embeddings=return_embeddings,
                      return_attn=return_attn, prefix_len=prefix_len),
                 dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask))
             front = prepend_embeds.shape[1] if prepend_embeds is not None else 0
             out, record = cache_mod.cached(self, x, cache, front, call)
+            record.inputs = (x, pos, given)
             return (out, record) if return_intermediates else out
         self._check_common(n, b, mask, mems, return_mems, return_attn, pos, state)
         h = inputs.summed(self.project_in(x) if self.project_in is not None else x, sum_embeds)
@@ -116,5 +123,6 @@ class ContinuousTransformerWrapper(SequenceWrapper):
             result, record = result
             record = outputs.WrapperRecord.of(record)
             record.cache_length = n if state is None else None
+            record.inputs = (x, pos, given) if state is None else None
             return result, record
         return result

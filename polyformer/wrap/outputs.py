@@ -23,11 +23,18 @@ class WrapperRecord(Intermediates):
     cache_length: how many inputs the record has seen; pass the record back as `cache=` with the inputs
         continued to run only the new ones (wrap/cache.py).
     decode: the decode state that holds them (made on first use of the record as a cache).
+    inputs: (x, pos, per-position arguments) over those inputs, for input_not_include_cache (wrap/cache.py).
+    attn_pooled_tokens: attn_pool's pooled tokens (b, k, dim_pooled) (wrap/pooling.py); logits: the logits an
+        Encoder with attn_pool computed besides them.
     """
 
     logit_entropies: Tensor | tuple[Tensor, ...] | None = None
     cache_length: int | None = None
     decode: Any = None
+    inputs: tuple | None = None
+    attn_pooled_tokens: Tensor | None = None
+    logits: Tensor | tuple[Tensor, ...] | None = None
+    attn_z_loss: Tensor | None = None     # return_attn_z_loss=True: the weighted z-loss (attention/z_loss.py)
 
     @classmethod
     def of(cls, record: Intermediates) -> "WrapperRecord":

@@ -16,6 +16,7 @@ from ..memory.kv_cache import DecodeState
 from ..position import wrapper_positions
 from ..registry import NORM
 from ..stack import AttentionLayers, Intermediates
+from . import interspersed as spread
 from . import inputs
 
 
@@ -37,7 +38,8 @@ class SequenceWrapper(nn.Module):
                num_memory_tokens: int | None, use_abs_pos_emb: bool | None, scaled_sinu_pos_emb: bool,
                max_mem_len: int, shift_mem_down: int, post_emb_norm: bool = False,
                post_emb_proj: bool = False, axial_pos_emb: object = None, axial_pos_emb_dims: object = None,
-               abs_pos_per_layer: object = False, randomized_pos: object = None, cmem: tuple = (0,)) -> None:
+               abs_pos_per_layer: object = False, randomized_pos: object = None, cmem: tuple = (0,),
+               interspersed_every: object = None) -> None:
         owner = type(self).__name__
         self.attn_layers = _stack(attn_layers, owner)
         dim = self.attn_layers.dim
@@ -66,6 +68,8 @@ class SequenceWrapper(nn.Module):
         self.emb_dropout = nn.Dropout(emb_dropout)
         self.memory_tokens = MemoryTokens(num_memory_tokens, dim) if num_memory_tokens else None
         self.landmarks = landmark.attach(self.attn_layers, owner, num_memory_tokens, max_mem_len)
+        self.interspersed = spread.build(owner, interspersed_every, num_memory_tokens, self.attn_layers,
+                                         {"abs_pos_per_layer": abs_pos_per_layer})   # XL memories: memories.setup
 
     @property
     def bounded(self) -> bool:
@@ -98,6 +102,7 @@ class SequenceWrapper(nn.Module):
         """A decode state (KV cache) with room for max_len tokens of `batch` sequences; blocks with a
         recurrent summary keep it after each of the last `history` positions (for rollback)."""
         max_len = landmark.room(self.landmarks, batch, max_len)      # with room for the landmarks (landmark.py)
+        max_len = spread.room(self.interspersed, batch, max_len)     # and interspersed memory tokens
         return self.attn_layers.new_state(batch, max_len + self.num_memory_tokens, dtype, device, history)
 
     @property
@@ -124,6 +129,8 @@ class SequenceWrapper(nn.Module):
         seen, seen_masks = memories.attended(self, mems, mem_masks)     # [compressed, XL] memory, shift_mem_down
         carried = infini_carry.begin(self, mems, need_record and state is None, h.shape[0])   # Infini memories
         h, mask, pos, slots = landmark.insert(self.landmarks, h, mask, pos, state, self.attn_layers)
+        if self.interspersed is not None:         # memory tokens every m tokens (wrap/interspersed.py)
+            pos = self.interspersed.text_positions(*h.shape[:2], pos, state, self.attn_layers, h.device)
         tok_pos = wrapper_positions.token_positions(self, h, pos, state)
         h = self.add_positions(h, tok_pos)
         if front is not None:             # class tokens, prepended embeddings (wrap/inputs.py)
@@ -131,7 +138,13 @@ class SequenceWrapper(nn.Module):
             self._check_front(state, slots)
             global_mask = F.pad(global_mask, (front.h.shape[1], 0), value=False) if global_mask is not None else None
         stack_pos = tok_pos + self.num_memory_tokens + (seen[0].shape[1] if seen else 0)
-        prefix = self.memory_tokens is not None and (state is None or state.length == 0)
+        prefix = self.memory_tokens is not None and self.interspersed is None and (state is None or state.length == 0)
+        spots = None
+        if self.interspersed is not None:
+            if global_mask is not None:
+                checks.bool_mask("global_mask", global_mask, tuple(h.shape[:2]), "(batch, seq)")
+            h, mask, stack_pos, global_mask, spots = self.interspersed.insert(h, mask, tok_pos, global_mask,
+                                                                            self.memory_tokens.tokens)
         if prefix:
             if global_mask is not None:
                 checks.bool_mask("global_mask", global_mask, tuple(h.shape[:2]), "(batch, seq)")
@@ -153,7 +166,7 @@ class SequenceWrapper(nn.Module):
         new_mems = None
         if (self.max_mem_len or carried is not None) and record is not None:
             new_mems = memories.update(self, mems, mem_masks, seen, record, mask, carried)
-        return landmark.remove(out, slots), record, new_mems
+        return landmark.remove(spread.remove(out, spots), slots), record, new_mems
 
     def _check_front(self, state: DecodeState | None, slots: object) -> None:
         """Front embeddings take no absolute position (the text's are added before them, from 0, as
@@ -163,6 +176,9 @@ class SequenceWrapper(nn.Module):
                              "not a later one")
         if slots is not None:
             raise ValueError("prepend_embeds and class tokens (use_cls_token) cannot be combined with landmark attention")
+        if self.interspersed is not None:
+            raise ValueError("prepend_embeds and class tokens (use_cls_token) cannot be combined with "
+                             "memory_tokens_interspersed_every")
 
     def _finish(self, out: Tensor, record: Intermediates | None, new_mems: list[Tensor] | None,
                 return_embeddings: bool, return_mems: bool, return_attn: bool,

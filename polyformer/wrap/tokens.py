@@ -9,11 +9,12 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..embedding import ExtraEmbeddings, TokenEmbedding
+from ..attention import z_loss
 from ..keywords import checked_keywords
 from ..memory.kv_cache import DecodeState
 from ..stack import AttentionLayers
 from . import cache as cache_mod
-from . import inputs, outputs
+from . import inputs, outputs, pooling
 from . import recycling as recycle
 from .outputs import WrapperRecord
 from .sequence import SequenceWrapper, _stack
@@ -69,6 +70,13 @@ class TransformerWrapper(SequenceWrapper):
         recycling, train_max_recycle_steps (4): the stack runs several times, each run also given a
             projection of the previous run's output (AlphaFold2's recycling; wrap/recycling.py); training
             draws 1 .. train_max_recycle_steps runs, evaluation takes `recycle_steps=` on forward.
+        memory_tokens_interspersed_every: m: the num_memory_tokens go before every m-th token, not once in front
+            (Decoder only; wrap/interspersed.py).
+        attn_pool, num_pooled_tokens (1), attn_pool_depth (1), dim_pooled_tokens (dim): learned queries
+            cross-attend to the output (wrap/pooling.py); an Encoder gives the pooled tokens (b, k, dim_pooled)
+            (its logits in the record), a Decoder its logits and, with return_intermediates, the record's
+            attn_pooled_tokens (not when continuing a decode state).
+        input_not_include_cache: with cache=, x holds only the new tokens (the forward's argument overrides it).
 
     forward(x (b, n) int, mask (b, n) bool, context, context_mask, mems, mem_masks,
     return_embeddings, return_mems, return_attn, return_intermediates, pos, state, prefix_len,
@@ -85,7 +93,7 @@ class TransformerWrapper(SequenceWrapper):
     `prepend_embeds` (b, p, dim) with `prepend_mask` (b, p) go before the tokens (after the class tokens), at
     positions 0 .. p - 1, the tokens after them; their outputs stay in front unless excise_prepend_embeds.
     `sum_embeds` (b, n, emb_dim) is added to the token embedding. `return_logit_entropies` returns the record
-    with `logit_entropies` (b, n).
+    with `logit_entropies` (b, n). `return_logits_and_embeddings` gives (logits, embeddings).
     """
 
     @checked_keywords
@@ -102,7 +110,10 @@ class TransformerWrapper(SequenceWrapper):
                  l2norm_embed: bool = False, emb_frac_gradient: float = 1.0, num_output_heads: int = 1,
                  return_only_embed: bool = False, average_pool_embed: bool = False, use_cls_token: bool = False,
                  num_cls_tokens: int = 1, mixture_of_softmax: bool = False, mixture_of_softmax_k: int = 4,
-                 recycling: bool = False, train_max_recycle_steps: int = 4):
+                 recycling: bool = False, train_max_recycle_steps: int = 4,
+                 memory_tokens_interspersed_every: int | None = None, attn_pool: bool = False,
+                 num_pooled_tokens: int = 1, attn_pool_depth: int = 1, dim_pooled_tokens: int | None = None,
+                 input_not_include_cache: bool = False, attn_z_loss_weight: float | None = None):
         super().__init__()
         stack = _stack(attn_layers, "TransformerWrapper")
         dim = stack.dim
@@ -119,8 +130,12 @@ class TransformerWrapper(SequenceWrapper):
             "mixture_of_softmax": mixture_of_softmax})
         if tie_embedding and heads > 1:
             raise ValueError("TransformerWrapper: tie_embedding=True gives one head; num_output_heads must be 1")
-        if average_pool_embed and use_cls_token:
-            raise ValueError("TransformerWrapper: average_pool_embed and use_cls_token cannot be combined")
+        on = [k for k, v in (("average_pool_embed", average_pool_embed), ("use_cls_token", use_cls_token),
+                             ("attn_pool", attn_pool), ("return_only_embed", attn_pool and return_only_embed),
+                             ("memory_tokens_interspersed_every", memory_tokens_interspersed_every is not None
+                              and use_cls_token)) if v]
+        if len(on) > 1:
+            raise ValueError(f"TransformerWrapper: {' and '.join(on)} cannot be combined")
         self.num_tokens = num_tokens
         self.token_emb = (inputs.L2NormTokenEmbedding if l2norm_embed else TokenEmbedding)(num_tokens, emb_dim)
         self.project_emb = nn.Linear(emb_dim, dim) if emb_dim != dim else None
@@ -131,7 +146,14 @@ class TransformerWrapper(SequenceWrapper):
                     shift_mem_down=shift_mem_down, post_emb_norm=post_emb_norm, post_emb_proj=post_emb_proj,
                     axial_pos_emb=axial_pos_emb, axial_pos_emb_dims=axial_pos_emb_dims,
                     abs_pos_per_layer=abs_pos_per_layer, randomized_pos=randomized_pos,
-                    cmem=(max_cmem_len, cmem_ratio, cmem_fn, cmem_loss_weight))
+                    cmem=(max_cmem_len, cmem_ratio, cmem_fn, cmem_loss_weight),
+                    interspersed_every=memory_tokens_interspersed_every)
+        self.attn_pool = pooling.AttentionPool.build("TransformerWrapper", attn_pool, num_pooled_tokens,
+                                                     attn_pool_depth, dim_pooled_tokens, stack)
+        self.input_not_include_cache = cache_mod.check_flag("TransformerWrapper", input_not_include_cache)
+        self.attn_z_loss_weight = z_loss.check_weight("TransformerWrapper", attn_z_loss_weight)   # attention/z_loss.py
+        if attn_z_loss_weight is not None:
+            z_loss.check("TransformerWrapper", stack)
         if l2norm_embed:
             self.pos_emb = inputs.l2norm_positions(self.pos_emb)
         self.emb_frac_gradient = inputs.check_fraction("TransformerWrapper", emb_frac_gradient)
@@ -187,23 +209,36 @@ class TransformerWrapper(SequenceWrapper):
                 seq_start_pos: Tensor | None = None, prepend_embeds: Tensor | None = None,
                 prepend_mask: Tensor | None = None, excise_prepend_embeds: bool = False,
                 sum_embeds: Tensor | None = None, return_logit_entropies: bool = False,
-                cache: WrapperRecord | None = None, recycle_steps: int | None = None) -> Any:
+                cache: WrapperRecord | None = None, recycle_steps: int | None = None,
+                return_logits_and_embeddings: bool = False, input_not_include_cache: bool | None = None,
+                return_attn_z_loss: bool = False, attn_z_loss_weight: float | None = None) -> Any:
+        if return_attn_z_loss:      # (out, record with attn_z_loss): attention/z_loss.py
+            return z_loss.returned(self, dict(locals()))
         checks.token_ids(x, self.num_tokens)
+        given = dict(mask=mask, global_mask=global_mask, sum_embeds=sum_embeds, embed_ids=embed_ids)
+        if cache_mod.excludes(cache, input_not_include_cache, self.input_not_include_cache):
+            x, pos, given = cache_mod.joined(cache, x, pos, given)     # the record's inputs, then x
+            mask, global_mask, sum_embeds, embed_ids = given.values()
         b, n = x.shape
         mask, pos = inputs.left_padding(seq_start_pos, mask, pos, b, n, x.device)
+        given["mask"] = mask
+        if return_logits_and_embeddings and (return_embeddings or self.return_only_embed):
+            raise ValueError("return_logits_and_embeddings gives both; it cannot combine with return_embeddings or a "
+                             "model built with return_only_embed")
         if cache is not None:
             if state is not None:
                 raise ValueError("pass cache or state, not both")
 
             call = cache_mod.caller(
-                self.forward, x, pos,
-                dict(mask=mask, global_mask=global_mask, sum_embeds=sum_embeds, embed_ids=embed_ids or {}),
+                self.forward, x, pos, {**given, "embed_ids": embed_ids or {}},
                 dict(context=context, context_mask=context_mask, return_embeddings=return_embeddings,
                      return_attn=return_attn, prefix_len=prefix_len, knn_clear=knn_clear, excise_prepend_embeds=True,
-                     return_logit_entropies=return_logit_entropies, recycle_steps=recycle_steps),
+                     return_logit_entropies=return_logit_entropies, recycle_steps=recycle_steps,
+                     return_logits_and_embeddings=return_logits_and_embeddings, input_not_include_cache=False),
                 dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask))
             front = self.num_cls_tokens + (prepend_embeds.shape[1] if prepend_embeds is not None else 0)
             out, record = cache_mod.cached(self, x, cache, front, call)
+            record.inputs = (x, pos, given)
             return (out, record) if return_intermediates or return_logit_entropies else out
         self._check_common(n, b, mask, mems, return_mems, return_attn, pos, state)
         if embed_ids is not None:
@@ -222,15 +257,23 @@ class TransformerWrapper(SequenceWrapper):
         out, record, new_mems = recycle.run(self.recycling, h, run, recycle_steps, self.training)
         joined = inputs.joined_mask(front, mask, b, n, x.device)
         out = outputs.pool(out, self.num_cls_tokens, self.average_pool_embed, joined)
+        encoder = not self.attn_layers.causal            # an Encoder's output is its pooled tokens (wrap/pooling.py)
+        pooled = (self.attn_pool(out, joined) if self.attn_pool is not None and state is None
+                  and (encoder or return_intermediates) else None)
         if front is not None and excise_prepend_embeds and not self.num_cls_tokens:
             out = out[:, front.h.shape[1]:]
-        result = out if return_embeddings else self.head(out)
+        logits = None if return_embeddings else self.head(out)
+        result = (logits, out) if return_logits_and_embeddings else out if return_embeddings else logits
+        if pooled is not None and encoder and logits is not None and not return_logits_and_embeddings:
+            result = pooled
         if return_intermediates or return_logit_entropies:
             record = outputs.WrapperRecord.of(record)
             record.mems = new_mems if new_mems is not None else record.mems
             record.cache_length = n if state is None else None
-            if return_logit_entropies and not return_embeddings:
-                record.logit_entropies = outputs.entropies(result)
+            record.inputs = (x, pos, given) if state is None else None
+            record.attn_pooled_tokens, record.logits = pooled, logits if pooled is not None else None
+            if return_logit_entropies and logits is not None:
+                record.logit_entropies = outputs.entropies(logits)
             return result, record
         return self._finish(result, record, new_mems, True, return_mems, return_attn, False)
 

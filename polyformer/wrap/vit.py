@@ -48,7 +48,12 @@ class ViTransformerWrapper(nn.Module):
         if num_classes is not None:
             self.mlp_head = nn.Sequential(nn.Dropout(dropout), nn.Linear(stack.out_dim, num_classes))
 
-    def forward(self, img: Tensor, return_embeddings: bool = False) -> Tensor:
+    def forward(self, img: Tensor, return_embeddings: bool = False,
+                return_logits_and_embeddings: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """img -> logits (b, num_classes), the embeddings (b, 1 + patches, dim), or with
+        return_logits_and_embeddings both as a pair."""
+        if return_logits_and_embeddings and (return_embeddings or self.mlp_head is None):
+            raise ValueError("return_logits_and_embeddings needs num_classes and cannot combine with return_embeddings")
         checks.floats("img", img, 4, "(batch, channels, image_size, image_size)")
         expected = (self.channels, self.image_size, self.image_size)
         if tuple(img.shape[1:]) != expected:
@@ -65,4 +70,5 @@ class ViTransformerWrapper(nn.Module):
             x = x[:, :-self.register_tokens.shape[0]]
         if self.mlp_head is None or return_embeddings:
             return x
-        return self.mlp_head(x[:, 0])
+        logits = self.mlp_head(x[:, 0])
+        return (logits, x) if return_logits_and_embeddings else logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ...config import BIAS_KEYWORD, LayersConfig
+from ..hard_attention import keyword as normalizer_keyword
 
 
 def switch(prefix: str, name: str) -> str:
@@ -48,7 +49,7 @@ def problems(cfg: LayersConfig) -> list[str]:
             found.append(f"{name} cannot take the stack's score bias "
                          f"({BIAS_KEYWORD[a.bias]})")
         if a.normalize != "softmax":
-            other = {"topk": "attn_sparse_topk", "entmax15": "attn_use_entmax15"}.get(a.normalize, a.normalize)
+            other = normalizer_keyword(a.normalize)
             found.append(f"{name} replaces the softmax; {other} cannot combine with it")
         for flag, on in (("attn_talking_heads", a.talking_heads), ("residual_attn", cfg.residual_attn)):
             if on:
