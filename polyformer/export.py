@@ -52,6 +52,9 @@ class DecodeStep(nn.Module):
         if kinds - {"keys"}:
             raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: not a kernel "
                              "with a recurrent summary (attn_performer, attn_linear, attn_rfa, gau)")
+        if any(getattr(b.branch, "pattern", None) is not None for b in stack.blocks if b.kind == "a"):
+            raise ValueError("DecodeStep cannot trace a decode step of an attention pattern (attn_window, attn_sparse, "
+                             "...): which cached keys a step reads depends on the data; decode such models eagerly")
         moe = stack.cfg.ff.moe
         if moe is not None and moe.limited:
             raise ValueError("DecodeStep needs a stack whose decode state is only keys and values: not "

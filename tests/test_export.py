@@ -91,6 +91,14 @@ def test_exported_decode_steps_equal_cached_eager_steps(name):
     assert_close(state.k[:, :, :, :state.length], eager_state.k[:, :, :, :state.length])
 
 
+def test_decode_step_refuses_attention_patterns_by_name():
+    """A windowed (or otherwise patterned) model's step selects cached keys by their positions: traced, that is a
+    data-dependent shape, so the export refuses it by name instead of failing inside torch.export."""
+    model = tiny_lm(max_seq_len=64, attn_window=4, attn_sink_tokens=1)
+    with pytest.raises(ValueError, match="attn_window"):
+        export_decode_step(model)
+
+
 def test_decode_step_module_refuses_state_it_cannot_carry_and_full_states():
     with pytest.raises(ValueError, match="recurrent summary"):
         DecodeStep(tiny_lm(attn_performer=True))

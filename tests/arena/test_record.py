@@ -32,3 +32,27 @@ def test_operator_majority_answers_with_each_operators_most_common_result():
     train = [(["[MAX", "1"], 9), (["[MAX", "2"], 9), (["[MAX", "3"], 8), (["[MIN", "4"], 0)]
     test = [(["[MAX", "5"], 9), (["[MAX", "6"], 8), (["[MIN", "7"], 0), (["[SM", "8"], 3)]
     assert operator_majority(train, test) == 2 / 4          # MAX -> 9 right once, MIN -> 0 right, SM unseen
+
+
+def test_an_oom_stops_longer_lengths_only_and_later_rounds_measure_the_shorter_ones(tmp_path, monkeypatch):
+    """Efficiency: a variant over the memory cap at one length is not run at longer ones (in any round), but
+    a later round still measures its shorter lengths (it once marked every later cell as not run)."""
+    from benchmarks.arena.tasks import efficiency
+    from benchmarks.arena.variants import variant
+
+    calls = []
+
+    def fake(name, depth, length, s, seed, log):
+        calls.append((name, depth, length))
+        if name == "window" and length >= 256:
+            return {"status": "oom", "error": "over the cap"}
+        return {"status": "ok", "seconds": 0.1, "all_seconds": [0.1], "peak_mib": 10.0}
+
+    monkeypatch.setattr(efficiency, "measure", fake)
+    rec = efficiency.run([variant("window")], budget=None, out_dir=tmp_path, quick=True, seed=0,
+                         log=lambda m: None, changes={"rounds": 2})
+    cells = rec["rows"]["window"]["results"]
+    for depth in cells:
+        assert cells[depth]["128"]["status"] == "ok" and len(cells[depth]["128"]["rounds"]) == 2
+        assert cells[depth]["256"]["status"] == "oom"
+        assert calls.count(("window", int(depth), 128)) == 2 and calls.count(("window", int(depth), 256)) == 1

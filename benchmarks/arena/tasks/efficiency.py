@@ -224,7 +224,7 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
     for r in range(s["rounds"]):
         for k, (depth, length) in enumerate(combos):
             for name in rotated(names, r + k):
-                if (name, depth) in stopped:
+                if (name, depth) in stopped and length >= stopped[(name, depth)][0]:    # shorter ones still run
                     at, status = stopped[(name, depth)]
                     out = {"status": status, "error": f"not run: {short(status)} at {at} tokens"}
                 else:
