@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from .checks import number, values_hidden, whole
 from .interfaces import Context
 from .precision import upcast
+from .stack_policies import REINJECT
 
 Step = Callable[[Tensor, int, Context], Tensor]     # (states (b', n, dim), step t from 0, their context) -> states
 
@@ -125,7 +126,8 @@ def rows_of(ctx: Context, rows: Tensor) -> Context:
         return None if t is None else t.index_select(0, rows)
 
     span = ctx.prefix_span
+    inject = ctx.memo.get(REINJECT)         # reinject_input's W x0 (b, n, dim): these rows' own
     return replace(ctx, pos=ctx.pos if ctx.pos.shape[0] == 1 else pick(ctx.pos), mask=pick(ctx.mask),
                    context=pick(ctx.context), context_mask=pick(ctx.context_mask), global_mask=pick(ctx.global_mask),
                    prefix_span=None if span is None else (pick(span[0]), pick(span[1])),
-                   shift_mask=pick(ctx.shift_mask), memo={})
+                   shift_mask=pick(ctx.shift_mask), memo={} if inject is None else {REINJECT: pick(inject)})

@@ -37,6 +37,13 @@ def whole(value: object, name: str, low: int = 1, optional: bool = False) -> lis
     return [f"{name} must be an integer >= {low}{' (or None)' if optional else ''}, got {value!r}"]
 
 
+def count(value: object, name: str, low: int = 1) -> int:
+    """value, an integer >= low; else ValueError naming `name` (for a constructor's keyword)."""
+    if wrong := whole(value, name, low):
+        raise ValueError(wrong[0])
+    return value
+
+
 def flag(value: object, name: str) -> list[str]:
     """[] when value is True or False, else the problem naming `name` (for a variant's `check`)."""
     return [] if isinstance(value, bool) else [f"{name} must be True or False, got {value!r}"]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .norm import rms_normalized
 from .precision import upcast
 
 
@@ -83,7 +84,7 @@ class AdaptiveRMSNorm(_Adaptive):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = upcast(x)
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.gamma(x32)
+        out = rms_normalized(x32, self.eps) * self.gamma(x32)
         return out.to(x.dtype)
 
 
@@ -107,4 +108,7 @@ def problems(cfg) -> list[str]:
         if on:
             found.append(f"{' / '.join(named)} read(s) the forward's condition, and {keyword} recomputes blocks in the "
                          "backward, after a later forward may have replaced it: choose one")
+    if cfg.act is not None:
+        found.append(f"{' / '.join(named)} read(s) the whole batch's condition, and act=True runs the rows still "
+                     "pondering on their own: choose one")
     return found

@@ -243,7 +243,7 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "attn_data_dependent_alibi_per_row": Route("attention.forgetting.per_row"),
     "attn_data_dependent_alibi_per_row_dim_head": Route("attention.forgetting.per_row_dim_head"),
     "attn_data_dependent_alibi_kwargs": ForgetKwargs("attention.forgetting.post_log_scale"),
-    # x-transformers' norm / residual extras (simple_rmsnorm.py, residual_scale.py, resi_dual.py,
+    # x-transformers' norm / residual extras (residual_scale.py, resi_dual.py,
     # attention/head_scale.py, attention/topk_straight.py); their attention z-loss spellings: attention/z_loss.py
     "use_simple_rmsnorm": flag(norm="simple_rms"),
     "scale_residual": ScaleRoute("residual_scale.learned"),

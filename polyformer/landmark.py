@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from .wrap.placement import Placement, place
+
 if TYPE_CHECKING:
     from .memory.kv_cache import DecodeState
     from .stack import AttentionLayers
 
 
-class Landmarks(nn.Module):
+class Landmarks(Placement):
     """The learned landmark embedding (dim,) and where a forward's tokens and landmarks go."""
 
     def __init__(self, dim: int, block: int):
@@ -32,45 +34,18 @@ class Landmarks(nn.Module):
         self.block = block
         self.embedding = nn.Parameter(torch.randn(dim) * 0.02)
 
-    def text_positions(self, b: int, n: int, pos: Tensor | None, state: "DecodeState | None",
-                       stack: "AttentionLayers", device: torch.device) -> Tensor:
-        """The text positions (b, n) of n new tokens: as given, after a decode state's, or 0 .. n - 1."""
-        steps = torch.arange(n, device=device)[None]
-        if pos is not None:
-            return pos.expand(b, n)
-        if state is not None and state.length:
-            after = stack.next_positions(1, None, state, device)       # (b, 1): never a landmark's position
-            return (after - after // (self.block + 1) + steps).expand(b, n)
-        return steps.expand(b, n)
+    def next_text(self, after: Tensor) -> Tensor:
+        return after - after // (self.block + 1)                # `after` is never a landmark's position
 
     def insert(self, h: Tensor, mask: Tensor | None, pos: Tensor | None, state: "DecodeState | None",
                stack: "AttentionLayers") -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """h (b, n, dim) with the landmarks placed: (h (b, m, dim), mask (b, m) or None, positions (b, m),
         each token's slot (b, n))."""
-        b, n, dim = h.shape
-        size, device = self.block, h.device
-        text = self.text_positions(b, n, pos, state, stack, device)
-        keep = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
-        ends = keep & (text % size == size - 1)                      # a landmark follows these tokens
-        counts = ends.sum(-1)
-        extra, even = torch.stack((counts.max(), (counts == counts.max()).all().long())).tolist() if n else (0, 1)
-        width = n + extra
-        slot = torch.arange(n, device=device) + ends.cumsum(-1) - ends.long()     # (b, n)
-        after = torch.where(ends, slot + 1, width)                   # column `width` is dropped
-        placed = text + text // size
-        source = torch.full((b, width + 1), -2, dtype=torch.long, device=device)
-        source = source.scatter(1, slot, torch.arange(n, device=device).expand(b, n)).scatter(1, after, -1)
-        positions = torch.zeros(b, width + 1, dtype=torch.long, device=device)
-        positions = positions.scatter(1, slot, placed).scatter(1, after, placed + 1)[:, :width]
-        positions = positions.cummax(-1).values                      # fillers at a row's end: its last position
-        source = source[:, :width]
-        gathered = h.gather(1, source.clamp(min=0)[..., None].expand(-1, -1, dim))
-        out = torch.where((source >= 0)[..., None], gathered, self.embedding.to(h.dtype))
-        new_mask = None
-        if mask is not None or not even:
-            new_mask = torch.zeros(b, width + 1, dtype=torch.bool, device=device)
-            new_mask = new_mask.scatter(1, slot, keep).scatter(1, after, True)[:, :width]
-        return out, new_mask, positions, slot
+        size = self.block
+        text = self.text_positions(*h.shape[:2], pos, state, stack, h.device)
+        out, mask, positions, _, slot = place(h, mask, text % size == size - 1, text + text // size,
+                                              self.embedding[None], False)
+        return out, mask, positions, slot
 
 
 def attach(stack: "AttentionLayers", owner: str, num_memory_tokens: int | None, max_mem_len: int) -> Landmarks | None:
@@ -96,13 +71,6 @@ def insert(landmarks: Landmarks | None, h: Tensor, mask: Tensor | None, pos: Ten
     if landmarks is None:
         return h, mask, pos, None
     return landmarks.insert(h, mask, pos, state, stack)
-
-
-def remove(out: Tensor, slots: Tensor | None) -> Tensor:
-    """The stack's output (b, m, dim) at the tokens' slots (b, n): (b, n, dim)."""
-    if slots is None:
-        return out
-    return out.gather(1, slots[..., None].expand(-1, -1, out.shape[-1]))
 
 
 def room(landmarks: Landmarks | None, batch: int, max_len: int) -> int:

@@ -1,4 +1,5 @@
-"""Norms: LayerNorm, RMSNorm (arXiv:1910.07467) and ScaleNorm (arXiv:1910.05895)."""
+"""Norms: LayerNorm, RMSNorm (arXiv:1910.07467), RMSNorm without a gain (use_simple_rmsnorm) and ScaleNorm
+(arXiv:1910.05895)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from torch import Tensor, nn
 from .precision import upcast
 
 
+def rms_normalized(x: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x ** 2) + eps) over the last dimension (x already in the precision to compute in)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * g, computed in at least float32 (arXiv:1910.07467)."""
 
@@ -21,8 +27,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = upcast(x)
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.to(x32.dtype)).to(x.dtype)
+        return (rms_normalized(x32, self.eps) * self.weight.to(x32.dtype)).to(x.dtype)
+
+
+class SimpleRMSNorm(nn.Module):
+    """x / rms(x) without a gain, i.e. l2norm(x) * sqrt(dim) (use_simple_rmsnorm; a linear attention paper,
+    arXiv:2307.14995, found RMSNorm's learned gain unnecessary); no parameters."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_normalized(upcast(x), self.eps).to(x.dtype)
 
 
 class ScaleNorm(nn.Module):

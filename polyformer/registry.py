@@ -18,10 +18,9 @@ from .attention.patterns import PIECES
 from .feedforward import GeluTanh, ReluSquared
 from .interfaces import Caps
 from .mixers import MIXERS
-from .norm import LayerNorm, RMSNorm, ScaleNorm
+from .norm import LayerNorm, RMSNorm, ScaleNorm, SimpleRMSNorm
 from .conditioning import AdaptiveLayerNorm, AdaptiveRMSNorm
 from .dyt import DynamicTanh
-from .simple_rmsnorm import SimpleRMSNorm
 from .feedforward_norm import SoLU
 from .position.bias import AlibiBias, T5Bias
 from .position.cope import CopeOptions, CopeRelative
@@ -46,7 +45,7 @@ def _plain(table: dict[str, Any]) -> dict[str, Entry]:
 
 NORM = _plain({"layer": LayerNorm, "rms": RMSNorm, "scale": ScaleNorm, "none": None,
                "dyt": DynamicTanh, "adaptive_layer": AdaptiveLayerNorm, "adaptive_rms": AdaptiveRMSNorm,
-               "simple_rms": SimpleRMSNorm})     # use_simple_rmsnorm: no gain (simple_rmsnorm.py)
+               "simple_rms": SimpleRMSNorm})     # use_simple_rmsnorm: no gain (norm.py)
 RESIDUAL = _plain({"add": Add, "rezero": ReZero, "gru": GRUGate, "deepnorm": ScaledAdd})
 ACTIVATION = _plain({"gelu": nn.GELU, "gelu_tanh": GeluTanh, "relu": nn.ReLU, "relu_squared": ReluSquared,
                      "swish": nn.SiLU, "solu": SoLU})   # SoLU: built with the hidden width (feedforward_norm.py)

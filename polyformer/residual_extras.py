@@ -64,6 +64,9 @@ def enter(stack: "AttentionLayers", x: Tensor, condition: Tensor | None) -> Tens
             got = tuple(condition.shape) if isinstance(condition, Tensor) else type(condition).__name__
             raise ValueError(f"condition must be a float tensor (batch={x.shape[0]}, dim_condition={c.dim_condition}) "
                              f"or (batch, {x.shape[1]} positions, dim_condition), got {got}")
+        if condition.ndim == 3 and condition.shape[1] > 1 and stack.hourglass is not None:
+            raise ValueError("condition per position cannot follow hourglass's shortened sequences: give one "
+                             "(batch, dim_condition) per row")
         c.set(condition)
     resi_dual.enter(stack, x)           # the accumulating stream starts as x (resi_dual.py)
     return stack.streams.expand(x) if stack.streams is not None else x

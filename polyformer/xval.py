@@ -17,12 +17,6 @@ from .wrap import inputs
 from .wrap.sequence import SequenceWrapper, _stack
 
 
-def _count(owner: str, name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 class XValTransformerWrapper(SequenceWrapper):
     """Token ids and their numbers in, (logits, numbers) out (xVal, arXiv:2310.02989).
 
@@ -52,13 +46,13 @@ class XValTransformerWrapper(SequenceWrapper):
         owner = "XValTransformerWrapper"
         stack = _stack(attn_layers, owner)
         dim = stack.dim
-        num_tokens = _count(owner, "num_tokens", num_tokens, 1)
-        numerical_token_id = _count(owner, "numerical_token_id", numerical_token_id, 0)
+        num_tokens = checks.count(num_tokens, f"{owner}: num_tokens")
+        numerical_token_id = checks.count(numerical_token_id, f"{owner}: numerical_token_id", 0)
         if numerical_token_id >= num_tokens:
             raise ValueError(f"{owner}: numerical_token_id must be a token id in [0, num_tokens={num_tokens}), "
                              f"got {numerical_token_id}")
-        emb_dim = dim if emb_dim is None else _count(owner, "emb_dim", emb_dim, 1)
-        logits_dim = num_tokens if logits_dim is None else _count(owner, "logits_dim", logits_dim, 1)
+        emb_dim = dim if emb_dim is None else checks.count(emb_dim, f"{owner}: emb_dim")
+        logits_dim = num_tokens if logits_dim is None else checks.count(logits_dim, f"{owner}: logits_dim")
         if not isinstance(tie_embedding, bool):
             raise TypeError(f"{owner}: tie_embedding must be True or False, got {tie_embedding!r}")
         if tie_embedding and (emb_dim != dim or logits_dim != num_tokens or stack.out_dim != dim):

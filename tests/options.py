@@ -226,7 +226,7 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "attn_use_cope": dict(attn_use_cope=True, attn_cope_max_pos=4, attn_kv_heads=2, attn_num_mem_kv=2),
     "attn_cope_soft_onehot": dict(attn_use_cope=True, attn_cope_soft_onehot_pos=True, attn_cope_talking_heads=True,
                                   attn_window=4),
-    # x-transformers' norm / residual extras (simple_rmsnorm.py, residual_scale.py, resi_dual.py,
+    # x-transformers' norm / residual extras (residual_scale.py, resi_dual.py,
     # attention/head_scale.py, attention/topk_straight.py)
     "use_simple_rmsnorm": dict(use_simple_rmsnorm=True, shift_tokens=1, num_memory_tokens=2),
     "scale_residual": dict(scale_residual=0.5, scale_residual_constant=0.9, attn_kv_heads=2, rotary_pos_emb=True),

@@ -263,6 +263,12 @@ def test_condition_is_checked():
         Decoder(**SMALL, use_adaptive_layernorm=True, use_rmsnorm=True)
     with pytest.raises(ValueError, match="gradient_checkpointing=True"):
         Decoder(**SMALL, use_adaptive_rmsnorm=True, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="act=True runs the rows still pondering on their own"):
+        Decoder(**SMALL, use_adaptive_rmsnorm=True, dim_condition=5, universal=True, act=True)
+    hourglass = Decoder(**SMALL, use_adaptive_rmsnorm=True, dim_condition=5, hourglass=(2,))
+    hourglass(stream(), condition=torch.randn(2, 5))            # one condition per row: every resolution reads it
+    with pytest.raises(ValueError, match="condition per position cannot follow hourglass"):
+        hourglass(stream(), condition=torch.randn(2, 6, 5))
 
 
 # --- final norm, feedforward norms ---------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 from polyformer import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
@@ -15,7 +14,7 @@ from polyformer.attention.normalize import TopK, masked_softmax
 from polyformer.attention.topk_straight import StraightThrough
 from polyformer.residual import Add
 from polyformer.residual_scale import ScaledResidual
-from polyformer.simple_rmsnorm import SimpleRMSNorm
+from polyformer.norm import SimpleRMSNorm
 from tests.options import perturb
 
 DIM = 16
@@ -232,6 +231,10 @@ def test_z_loss_refusals():
         AutoregressiveWrapper(lm(attn_linear="elu"), add_attn_z_loss=True)
     with pytest.raises(ValueError, match="add_attn_z_loss cannot combine with exit_layers"):
         AutoregressiveWrapper(lm(exit_layers=True), add_attn_z_loss=True)
+    for policy in ("gradient_checkpointing", "reversible"):    # their backward recomputes blocks outside the request
+        with pytest.raises(ValueError, match=f"cannot combine with {policy}=True"):
+            AutoregressiveWrapper(lm(**{policy: True}), add_attn_z_loss=True)
+        AutoregressiveWrapper(lm(attn_z_loss_weight=1e-2, **{policy: True}), add_attn_z_loss=True)   # blocks report
     with pytest.raises(ValueError, match="differs from the attention blocks' own"):
         lm(attn_z_loss_weight=1e-3)(torch.zeros(1, 4, dtype=torch.long), return_attn_z_loss=True,
                                     attn_z_loss_weight=1e-2)

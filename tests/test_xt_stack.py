@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 from polyformer import CrossAttender, Decoder, Encoder, TransformerWrapper
@@ -80,6 +79,7 @@ def test_readme_layers_execute_order_in_a_wrapper_needs_no_depth():
     model = TransformerWrapper(num_tokens=50, max_seq_len=16, attn_layers=Decoder(
         dim=DIM, heads=2, custom_layers=("a", "f", "a", "f", "a", "f"),
         layers_execute_order=(*((0, 1) * 4), *((2, 3) * 4), *((4, 5) * 4))))
+    assert model.attn_layers.num_self_attn == 12                    # each run of a block is a layer of its own
     assert model(torch.randint(0, 50, (1, 9))).shape == (1, 9, 50)
 
 
@@ -166,6 +166,22 @@ def test_reinject_input_formula_gate_and_zero_projection():
     plain.load_state_dict(model.state_dict(), strict=False)
     assert_close(model(x), plain(x))
 
+
+def test_reinject_input_reaches_the_rows_act_runs_on_their_own(monkeypatch):
+    """ACT runs the rows still pondering apart (act.rows_of): each keeps its own W x0, so the batch equals each
+    row alone."""
+    from polyformer import act
+
+    calls, rows_of = [], act.rows_of
+    monkeypatch.setattr(act, "rows_of", lambda ctx, rows: calls.append(rows) or rows_of(ctx, rows))
+    model = make(depth=1, universal=True, act=True, act_max_steps=4, reinject_input=True)
+    with torch.no_grad():                       # halting p = sigmoid(sum of the state's features)
+        model.universal.halting.unit.weight.fill_(1.0)
+        model.universal.halting.unit.bias.zero_()
+    x = torch.randn(4, N, DIM) + torch.tensor([3.0, -3.0, 3.0, -3.0])[:, None, None]   # rows 0, 2 halt first
+    out = model(x)
+    assert calls
+    assert_close(out, torch.cat([model(x[r:r + 1]) for r in range(4)]))
 
 def reference_attention(branch, h: torch.Tensor, v_first: torch.Tensor, mix: torch.Tensor | float) -> torch.Tensor:
     """Causal softmax attention of one block with values (1 - λ) V_1 + λ V_n, written out."""

@@ -91,6 +91,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "arXiv:1803.02155", layers=dict(rel_pos_shaw=16), tasks=POSITIONS),
     Variant("xl_relative", "Transformer-XL relative encoding: sinusoids of i - j through W_R, learned u and v",
             "arXiv:1901.02860", layers=dict(rel_pos_xl=True), tasks=POSITIONS),
+    Variant("cope", "CoPE: positions counted by sigmoid gates on q . k, interpolated embeddings (x-transformers' "
+            "attn_use_cope)", "arXiv:2405.18719", layers=dict(attn_use_cope=True), tasks=(), causal_only=True),
     Variant("distance_aware", "DA-Transformer: ReLU scores scaled per head by a learned function of |i - j|",
             "arXiv:2010.06925", layers=dict(attn_distance_aware=True), tasks=POSITIONS),
     # YaRN / dynamic NTK rows join POSITIONS with their code (issue 20: rotary scaling); randomized_pos=1024 covers the

@@ -13,13 +13,12 @@ from ..config import Choice
 from ..interfaces import KV, AttnOut, Context, KernelSpec
 from ..position import relative
 from ..precision import upcast
-from ..registry import KERNEL, NORMALIZE, POSITION
-from . import forgetting, gates, head_scale, latent, patterns, scoring, topk_straight
+from ..registry import KERNEL, POSITION
+from . import forgetting, gates, latent, patterns, scoring
 from .global_queries import GlobalQueries
 from .kernels import block_sparse
 from .kernels.direct import switch
 from .keys import MemoryKV, context_source, self_source
-from .mixing import Output
 from .projection import Projection
 
 
@@ -49,11 +48,7 @@ class Attention(nn.Module):
         self.relative = relative.build(cfg, dim, shared_relative) if positional else None
         self.memory_kv = (MemoryKV(cfg.num_mem_kv, self.project.kv_heads, self.project.qk_dim,
                                    self.project.v_heads, cfg.dim_head) if cfg.num_mem_kv else None)
-        build = NORMALIZE[cfg.normalize].build
-        normalize = (build(cfg.topk) if cfg.normalize == "topk" else build(cfg.gumbel) if cfg.gumbel is not None
-                     else build())                # attn_gumbel_softmax's options (hard_attention.py)
-        normalize = topk_straight.wrap(normalize, cfg)     # attn_sparse_topk_straight_through
-        normalize = scoring.stage(cfg.scores, cfg.heads, normalize) or normalize   # sigmoid, soft-capping, sinks
+        normalize = scoring.normalizer(cfg)          # the normaliser with its score transforms (scoring.py)
         self.qk_norm = scoring.qk_norm(cfg.scores, cfg.heads, self.project.kv_heads, self.project.qk_dim)
         choice = cfg.kernel
         if cross and not KERNEL[choice.name].caps.cross:    # cross-attention stays dense unless it serves both
@@ -66,9 +61,7 @@ class Attention(nn.Module):
             keep_scores=keep_scores, pattern=cfg.pattern if not cross else ()))
         self.direct = self.kernel.caps.form == "direct"
         self.cfg_kernel = choice.name
-        self.output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
-        self.output = gates.wrap(self.output, dim, cfg)                   # per-head and output gates (gates.py)
-        self.output = head_scale.wrap(self.output, cfg)                   # attn_head_scale (NormFormer)
+        self.output = gates.output_stage(dim, cfg)         # merge and project, behind gates / head scale (gates.py)
         self.pattern = (patterns.PatternStage(cfg.pattern, cfg.heads, self.causal, layer)
                         if cfg.pattern and not cross and not self.direct else None)   # a direct kernel applies its own
         own = patterns.own_projections(cfg.pattern)

@@ -67,8 +67,7 @@ class ForgetKwargs(Route):
 
 
 def _attention_problems(a: "AttentionConfig", cfg: "LayersConfig") -> list[str]:
-    from ..config import BIAS_KEYWORD
-    from .kernels.direct import switch
+    from ..position.relative import score_term_problems
     from .patterns.stage import keyword
 
     o: ForgettingOptions = a.forgetting
@@ -86,20 +85,11 @@ def _attention_problems(a: "AttentionConfig", cfg: "LayersConfig") -> list[str]:
     if o.per_row is True and not cfg.causal:
         found.append(f"{KEYWORD}_per_row sums gates from a key up to its query: it needs causal attention (a "
                      "Decoder), as x-transformers'")
-    if a.bias != "none":
-        found.append(f"{KEYWORD} and {BIAS_KEYWORD[a.bias]} conflict: both are position biases of the scores; "
-                     "choose one")
-    if a.kernel.name != "dense":
-        found.append(f"{KEYWORD} adds a bias to the dense scores; {switch('attention.kernel.', a.kernel.name)} "
-                     "computes attention its own way")
+    found += score_term_problems(KEYWORD, a, cfg)
     if a.pattern:
         named = " / ".join(keyword(c.name) for c in a.pattern)
         found.append(f"{KEYWORD} cannot combine with {named}: a pattern's decode state keeps its keys out of "
                      "time order, which the gates' sums need")
-    if cfg.mixer is not None:
-        found.append(f"{KEYWORD} biases attention scores; {switch('mixer.', cfg.mixer.name)} replaces attention")
-    if cfg.only_cross:
-        found.append(f"{KEYWORD} acts on self-attention; only_cross=True has none")
     if cfg.early_exit is not None:
         found.append(f"{KEYWORD} cannot combine with exit_layers: an exit writes the skipped blocks' keys "
                      "without their gate terms")

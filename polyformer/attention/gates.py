@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from ..config import AttentionConfig
+from . import head_scale
+from .mixing import Output
 
 
 class HeadGates(nn.Module):
@@ -47,3 +49,10 @@ def wrap(output: nn.Module, dim: int, cfg: AttentionConfig) -> nn.Module:
     if o is None or not (o.gate_value_heads or o.output_gate):
         return output
     return HeadGates(output, dim, cfg.heads, cfg.dim_head, o.gate_value_heads, o.output_gate, o.output_gate_headwise)
+
+
+def output_stage(dim: int, cfg: AttentionConfig) -> nn.Module:
+    """The block's output stage: merge and project (mixing.Output), behind the gates and NormFormer's head scale
+    (attn_head_scale, head_scale.py) the config asks for."""
+    output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
+    return head_scale.wrap(wrap(output, dim, cfg), cfg)

@@ -41,7 +41,8 @@ class GumbelOptions:
 
 
 def gumbel_noise(like: Tensor) -> Tensor:
-    """Standard Gumbel draws g = -log(e), e ~ Exp(1), of `like`'s shape and dtype."""
+    """Standard Gumbel draws g = -log(e), e ~ Exp(1), of `like`'s shape and dtype (the draws of
+    F.gumbel_softmax for the same seed, which a test holds)."""
     return torch.empty_like(like).exponential_().log().neg()
 
 

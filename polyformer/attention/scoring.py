@@ -25,12 +25,13 @@ from ..interfaces import KV
 from ..losses import AuxLosses
 from ..precision import upcast
 from .hard_attention import keyword as normalizer_keyword
+from . import topk_straight
 from .mixing import TalkingHeads
 from .normalize import fill_masked, zero_masked
 from .score_options import ScoreOptions
 
 if TYPE_CHECKING:
-    from ..config import LayersConfig
+    from ..config import AttentionConfig, LayersConfig
 
 LOSS = "attn_z_loss"
 
@@ -128,6 +129,17 @@ def stage(opts: ScoreOptions | None, heads: int, normalize: nn.Module) -> ScoreS
     on = (opts.pre_talking_heads or opts.post_talking_heads or opts.softclamp or opts.head_sink or opts.zero_kv
           or opts.sigmoid or opts.z_loss_weight > 0)
     return ScoreStage(opts, heads, normalize) if on else None
+
+
+def normalizer(cfg: "AttentionConfig") -> nn.Module:
+    """The block's normalise stage: registry.NORMALIZE's choice with its options (attn_sparse_topk's k,
+    attn_gumbel_softmax's), its straight-through gradient (topk_straight.py), the score stage around it."""
+    from ..registry import NORMALIZE
+
+    build = NORMALIZE[cfg.normalize].build
+    inner = build(cfg.topk) if cfg.normalize == "topk" else build(cfg.gumbel) if cfg.gumbel is not None else build()
+    inner = topk_straight.wrap(inner, cfg)
+    return stage(cfg.scores, cfg.heads, inner) or inner
 
 
 def qk_norm(opts: ScoreOptions | None, heads: int, kv_heads: int, dim: int) -> QKNorm | None:

@@ -67,6 +67,10 @@ def _normalizers(stack: "AttentionLayers") -> list[tuple[DenseKernel, nn.Module]
                 raise ValueError("the attention z-loss is of a softmax's normaliser; attn_sigmoid has none")
             normalize = normalize.inner
         found.append((kernel, normalize))
+    recomputed = [k for k in ("gradient_checkpointing", "reversible") if getattr(stack.cfg, k) is True]
+    if found and recomputed:    # a backward's recomputation runs outside the request: another path, no taps
+        raise ValueError(f"the per-forward attention z-loss cannot combine with {recomputed[0]}=True (its backward "
+                         "recomputes the blocks without the request); give the stack attn_z_loss_weight instead")
     return found
 
 

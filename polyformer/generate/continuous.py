@@ -25,7 +25,7 @@ class ContinuousAutoregressiveWrapper(nn.Module):
         if not isinstance(net, ContinuousTransformerWrapper) or not net.attn_layers.causal:
             raise TypeError("ContinuousAutoregressiveWrapper wraps a ContinuousTransformerWrapper with a Decoder")
         dim_out = net.project_out.out_features if net.project_out is not None else net.attn_layers.out_dim
-        self.probabilistic = bool(getattr(net, "probabilistic", False))
+        self.probabilistic = net.probabilistic
         dim_out = dim_out // 2 if self.probabilistic else dim_out
         if dim_out != net.dim_in:
             raise ValueError(f"generation feeds outputs back as inputs: dim_out ({dim_out}) must equal dim_in ({net.dim_in})")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
+from ..attention.kernels.sortnet import gumbel
 from ..wrappers import TransformerWrapper
 from .maskgit_sample import iterative_decode
 
@@ -207,6 +208,5 @@ def gumbel_sample(logits: Tensor, temperature: float) -> Tensor:
 
 
 def gumbel_noise(like: Tensor) -> Tensor:
-    """-log(-log u), u ~ U(0, 1), float32 in like's shape."""
-    u = torch.rand_like(like, dtype=torch.float32)
-    return -torch.log((-torch.log(u.clamp(min=1e-20))).clamp(min=1e-20))
+    """Standard Gumbel draws in float32, of like's shape."""
+    return gumbel(like.shape, like.float())

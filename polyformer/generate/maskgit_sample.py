@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .sampling import top_k
+
 if TYPE_CHECKING:
     from .maskgit import NonAutoregressiveWrapper
 
@@ -23,9 +25,7 @@ def keep_top_fraction(logits: Tensor, thres: float | None) -> Tensor:
     """x-transformers' top-k by `filter_thres`: keep the ceil((1 - thres)·V) largest logits, the rest -inf."""
     if thres is None:
         return logits
-    k = max(1, math.ceil((1 - thres) * logits.shape[-1]))
-    cut = logits.topk(k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < cut, float("-inf"))
+    return top_k(logits, k=max(1, math.ceil((1 - thres) * logits.shape[-1])))
 
 
 def iterative_decode(model: "NonAutoregressiveWrapper", b: int, n: int, start_temperature: float,

@@ -110,7 +110,7 @@ def _aligned(qq: Tensor, ql: Tensor, kq: Tensor, kl: Tensor, v: Tensor, c: int, 
     """mixed_chunk for unpadded rows at positions 0 .. n - 1 from nothing before: slot t holds position t,
     so the layout is the input itself (padded at the end to whole chunks), with no placing or gathering."""
     b, n, s = qq.shape
-    e, T = v.shape[-1], -(-n // c) * c
+    T = -(-n // c) * c
     G, tail = T // c, T - n
     def chunks(t: Tensor) -> Tensor:          # a view when n is a whole number of chunks
         return (F.pad(t, (0, 0, 0, tail)) if tail else t).reshape(b, G, c, t.shape[-1])

@@ -87,7 +87,6 @@ def shared(cfg: AttentionConfig) -> nn.Module | None:
 
 def problems(cfg: LayersConfig) -> list[str]:
     """What a relative scheme cannot combine with, naming the keywords; then the scheme's own check."""
-    from ..attention.kernels.direct import switch
     from ..attention.patterns import own_projections
     from ..registry import RELATIVE
 
@@ -99,6 +98,19 @@ def problems(cfg: LayersConfig) -> list[str]:
     if a.relative is None:
         return []
     name = KEYWORDS[a.relative.name]
+    found = score_term_problems(name, a, cfg)
+    if a.collab_heads:
+        found.append(f"{name} reads per-head queries of attn_dim_head features; attn_collab_heads shares them")
+    if own_projections(a.pattern) is not None:
+        found.append(f"{name} cannot combine with attn_global_projections (the global queries' own attention)")
+    return found + RELATIVE[a.relative.name].build.check(a.relative.options, cfg)
+
+
+def score_term_problems(name: str, a: AttentionConfig, cfg: LayersConfig) -> list[str]:
+    """What a scheme adding terms to the dense self-attention scores (keyword `name`: a relative scheme, the
+    Forgetting Transformer's gates) cannot combine with: a score bias, another kernel, a mixer, only_cross."""
+    from ..attention.kernels.direct import switch
+
     found = []
     if a.bias != "none":
         other = BIAS_KEYWORD[a.bias]
@@ -108,11 +120,6 @@ def problems(cfg: LayersConfig) -> list[str]:
                      "computes attention its own way")
     if cfg.mixer is not None:
         found.append(f"{name} adds terms to attention scores; {switch('mixer.', cfg.mixer.name)} replaces attention")
-    if a.collab_heads:
-        found.append(f"{name} reads per-head queries of attn_dim_head features; attn_collab_heads shares them")
     if cfg.only_cross:
         found.append(f"{name} acts on self-attention; only_cross=True has none")
-    if own_projections(a.pattern) is not None:
-        found.append(f"{name} cannot combine with attn_global_projections (the global queries' own attention)")
-    return found + RELATIVE[a.relative.name].build.check(a.relative.options, cfg)
-
+    return found

@@ -39,11 +39,12 @@ def part(t: Tensor | None, name: str, total: int, lo: int, hi: int | None) -> Te
     return t[:, lo:hi]
 
 
-def caller(forward: Callable[..., Any], x: Tensor, pos: Tensor | None, per_position: dict[str, Any],
-           whole: dict[str, Any], front: dict[str, Any]) -> Callable[..., Any]:
-    """The `call` that `cached` takes, for a wrapper's `forward`: x, pos and the `per_position` arguments
-    (tensors, or dicts of tensors, one value per input position) cut to [lo, hi); `whole` passed as given;
-    `front` (the front embeddings' arguments) only with_front, else None."""
+def _caller(forward: Callable[..., Any], x: Tensor, pos: Tensor | None, per_position: dict[str, Any],
+            whole: dict[str, Any], front: dict[str, Any]) -> Callable[..., Any]:
+    """`call(lo, hi, state, with_front, shift)` runs the wrapper's forward on inputs [lo, hi) (hi None: to the
+    end) on a decode state: x, pos (moved up by shift) and the `per_position` arguments (tensors, or dicts of
+    tensors, one value per input position) cut to [lo, hi); `whole` passed as given; `front` (the front
+    embeddings' arguments) only with_front, else None."""
     n = x.shape[1]
 
     def cut(value: Any, name: str, lo: int, hi: int | None) -> Any:
@@ -61,12 +62,17 @@ def caller(forward: Callable[..., Any], x: Tensor, pos: Tensor | None, per_posit
     return call
 
 
-def cached(wrapper: Any, x: Tensor, cache: object, front: int, call: Callable[..., Any]) -> tuple[Tensor, WrapperRecord]:
-    """Run the inputs of x (b, total, ...) after the cache's: (their outputs, the new record).
-
-    `call(lo, hi, state, with_front, shift)` runs the wrapper's forward on inputs [lo, hi) (hi None: to the
-    end) on a decode state, with the front embeddings or not, its given positions moved up by shift;
-    `front` is the number of front embeddings (class tokens, prepend_embeds) the forward puts before the text."""
+def cached(wrapper: Any, x: Tensor, pos: Tensor | None, per_position: dict[str, Any], whole: dict[str, Any],
+           front: dict[str, Any], cache: object, state: DecodeState | None, classes: int = 0
+           ) -> tuple[Tensor, WrapperRecord]:
+    """A wrapper's forward with cache=: run the inputs of x (b, total, ...) after the cache's; (their outputs,
+    the new record). Arguments as `_caller` takes them (`front`: prepend_embeds, prepend_mask), `classes` the
+    class tokens the forward puts before the text."""
+    if state is not None:
+        raise ValueError("pass cache or state, not both")
+    call = _caller(wrapper.forward, x, pos, per_position, whole, front)
+    prepended = front["prepend_embeds"]
+    front = classes + (prepended.shape[1] if prepended is not None else 0)
     if not isinstance(cache, WrapperRecord) or cache.cache_length is None:
         raise TypeError("cache must be the record a forward returned with return_intermediates=True, got "
                         f"{type(cache).__name__}")
@@ -82,7 +88,7 @@ def cached(wrapper: Any, x: Tensor, cache: object, front: int, call: Callable[..
         call(0, done, run.state, True, 0)
     out, record = call(done, None, run.state, False, run.shift)
     record = WrapperRecord.of(record)
-    record.cache_length, record.decode = total, run
+    record.cache_length, record.decode, record.inputs = total, run, (x, pos, per_position)
     run.at = record
     return out, record
 

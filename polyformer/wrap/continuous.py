@@ -98,17 +98,10 @@ class ContinuousTransformerWrapper(SequenceWrapper):
         mask, pos = inputs.left_padding(seq_start_pos, mask, pos, b, n, x.device)
         given["mask"] = mask
         if cache is not None:
-            if state is not None:
-                raise ValueError("pass cache or state, not both")
-
-            call = cache_mod.caller(
-                self.forward, x, pos, given,
-                dict(context=context, context_mask=context_mask, return_embeddings=return_embeddings,
-                     return_attn=return_attn, prefix_len=prefix_len),
-                dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask))
-            front = prepend_embeds.shape[1] if prepend_embeds is not None else 0
-            out, record = cache_mod.cached(self, x, cache, front, call)
-            record.inputs = (x, pos, given)
+            out, record = cache_mod.cached(
+                self, x, pos, given, dict(context=context, context_mask=context_mask, return_embeddings=return_embeddings,
+                                          return_attn=return_attn, prefix_len=prefix_len),
+                dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask), cache, state)
             return (out, record) if return_intermediates else out
         self._check_common(n, b, mask, mems, return_mems, return_attn, pos, state)
         h = inputs.summed(self.project_in(x) if self.project_in is not None else x, sum_embeds)

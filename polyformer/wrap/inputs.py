@@ -138,8 +138,7 @@ def class_tokens(owner: str, use_cls_token: object, num_cls_tokens: object, dim:
     """Learned class tokens (num_cls_tokens, dim) placed in front of every sequence (BERT's [CLS]), or None."""
     if not isinstance(use_cls_token, bool):
         raise TypeError(f"{owner}: use_cls_token must be True or False, got {use_cls_token!r}")
-    if isinstance(num_cls_tokens, bool) or not isinstance(num_cls_tokens, int) or num_cls_tokens < 1:
-        raise ValueError(f"{owner}: num_cls_tokens must be a positive integer, got {num_cls_tokens!r}")
+    checks.count(num_cls_tokens, f"{owner}: num_cls_tokens")
     if not use_cls_token:
         return None
     return nn.Parameter(torch.randn(num_cls_tokens, dim) * 0.02)

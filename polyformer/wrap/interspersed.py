@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from .. import checks
+from .placement import Placement, place
 
 if TYPE_CHECKING:
-    from ..memory.kv_cache import DecodeState
     from ..stack import AttentionLayers
 
 
-class Interspersed(nn.Module):
+class Interspersed(Placement):
     """Where the memory tokens (k, dim) go among a forward's tokens; holds no weights (they are the wrapper's
     memory_tokens)."""
 
@@ -36,52 +37,17 @@ class Interspersed(nn.Module):
         """Stack positions of text positions."""
         return text + self.count * (text // self.every + 1)
 
-    def text_positions(self, b: int, n: int, pos: Tensor | None, state: "DecodeState | None",
-                       stack: "AttentionLayers", device: torch.device) -> Tensor:
-        """The text positions (b, n) of n new tokens: as given, after a decode state's, or 0 .. n - 1."""
-        steps = torch.arange(n, device=device)[None]
-        if pos is not None:
-            return pos.expand(b, n)
-        if state is not None and state.length:
-            last = stack.next_positions(1, None, state, device) - 1        # (b, 1): a text token's
-            chunk = (last - self.count) // (self.every + self.count)
-            return (last - self.count * (chunk + 1) + 1 + steps).expand(b, n)
-        return steps.expand(b, n)
+    def next_text(self, after: Tensor) -> Tensor:
+        last = after - 1                                        # a text token's
+        chunk = (last - self.count) // (self.every + self.count)
+        return last - self.count * (chunk + 1) + 1
 
     def insert(self, h: Tensor, mask: Tensor | None, text: Tensor, global_mask: Tensor | None, memory: Tensor
                ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, Tensor]:
         """h (b, n, dim) at text positions (b, n), memory (k, dim) -> the stack's input (b, w, dim), its mask
         (b, w) or None, positions (b, w), global mask (b, w) or None, and each token's slot (b, n)."""
-        b, n, dim = h.shape
-        k, device = self.count, h.device
-        keep = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=device)
-        text = text.expand(b, n)
-        starts = keep & (text % self.every == 0)                          # k memory tokens go before these
-        counts = starts.sum(-1)
-        extra, even = torch.stack((counts.max(), (counts == counts.max()).all().long())).tolist() if n else (0, 1)
-        width = n + k * extra
-        slot = torch.arange(n, device=device) + k * starts.long().cumsum(-1)             # (b, n)
-        offsets = torch.arange(k, device=device) - k
-        before = torch.where(starts[..., None], slot[..., None] + offsets, width).flatten(1)   # (b, n k)
-        placed = self.placed(text)
-        source = torch.full((b, width + 1), -k - 1, dtype=torch.long, device=device)   # -k - 1: a filler
-        source = source.scatter(1, slot, torch.arange(n, device=device).expand(b, n))
-        source = source.scatter(1, before, (-1 - torch.arange(k, device=device)).repeat(n).expand(b, -1))[:, :width]
-        positions = torch.zeros(b, width + 1, dtype=torch.long, device=device).scatter(1, slot, placed)
-        positions = positions.scatter(1, before, (placed[..., None] + offsets).flatten(1))[:, :width]
-        last = placed.max(-1, keepdim=True).values if n else positions[:, :0]
-        positions = torch.where(source == -k - 1, last, positions)
-        tokens = h.gather(1, source.clamp(min=0)[..., None].expand(-1, -1, dim))
-        memories = memory.to(h.dtype)[(-1 - source).clamp(0, k - 1)]
-        out = torch.where((source >= 0)[..., None], tokens, memories)
-        new_mask = None
-        if mask is not None or not even:
-            new_mask = torch.zeros(b, width + 1, dtype=torch.bool, device=device)
-            new_mask = new_mask.scatter(1, slot, keep).scatter(1, before, True)[:, :width]
-        if global_mask is not None:
-            global_mask = torch.zeros(b, width + 1, dtype=torch.bool, device=device).scatter(
-                1, slot, global_mask.expand(b, n))[:, :width]
-        return out, new_mask, positions, global_mask, slot
+        text = text.expand(*h.shape[:2])
+        return place(h, mask, text % self.every == 0, self.placed(text), memory, True, global_mask)
 
 
 def build(owner: str, every: object, num_memory_tokens: int | None, stack: "AttentionLayers",
@@ -90,8 +56,7 @@ def build(owner: str, every: object, num_memory_tokens: int | None, stack: "Atte
     combine with, by name (a true value refuses)."""
     if every is None:
         return None
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"{owner}: memory_tokens_interspersed_every must be a positive integer, got {every!r}")
+    checks.count(every, f"{owner}: memory_tokens_interspersed_every")
     if not num_memory_tokens:
         raise ValueError(f"{owner}: memory_tokens_interspersed_every={every} places memory tokens; give "
                          "num_memory_tokens > 0")
@@ -107,13 +72,6 @@ def build(owner: str, every: object, num_memory_tokens: int | None, stack: "Atte
             raise ValueError(f"{owner}: memory_tokens_interspersed_every cannot combine with {name}={value!r}: "
                              "memory tokens are placed by text position from the first token")
     return Interspersed(every, num_memory_tokens)
-
-
-def remove(out: Tensor, slots: Tensor | None) -> Tensor:
-    """The stack's output (b, w, dim) at the tokens' slots (b, n): (b, n, dim)."""
-    if slots is None:
-        return out
-    return out.gather(1, slots[..., None].expand(-1, -1, out.shape[-1]))
 
 
 def room(spread: Interspersed | None, batch: int, max_len: int) -> int:

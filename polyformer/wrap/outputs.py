@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from .. import checks
 from ..stack import Intermediates
 
 
@@ -44,8 +45,7 @@ class WrapperRecord(Intermediates):
 
 
 def check_heads(owner: str, num_output_heads: object, exclusive: dict[str, bool]) -> int:
-    if isinstance(num_output_heads, bool) or not isinstance(num_output_heads, int) or num_output_heads < 1:
-        raise ValueError(f"{owner}: num_output_heads must be a positive integer, got {num_output_heads!r}")
+    checks.count(num_output_heads, f"{owner}: num_output_heads")
     on = [name for name, value in exclusive.items() if value]
     if len(on) > 1:
         raise ValueError(f"{owner}: {' and '.join(on)} cannot be combined")
@@ -67,12 +67,6 @@ class MixtureOfSoftmaxes(nn.Module):
         log_probs = F.log_softmax(project(parts).float(), dim=-1)                              # (b, n, k, v)
         log_prior = F.log_softmax(self.to_prior(x).float(), dim=-1)                           # (b, n, k)
         return torch.logsumexp(log_probs + log_prior[..., None], dim=-2).to(x.dtype)
-
-
-def check_mixture(owner: str, k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{owner}: mixture_of_softmax_k must be a positive integer, got {k!r}")
-    return k
 
 
 def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:

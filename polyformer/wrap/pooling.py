@@ -9,16 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..attention.attention import Attention
 from ..config import AttentionConfig
 from ..interfaces import Context
 from ..stack import AttentionLayers, CrossAttender
-
-
-def _positive(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    return value
 
 
 class AttentionPool(nn.Module):
@@ -53,9 +48,9 @@ class AttentionPool(nn.Module):
             if given:
                 raise ValueError(f"{owner}: {', '.join(given)} configure attention pooling; give attn_pool=True")
             return None
-        num = _positive(owner, "num_pooled_tokens", num_pooled_tokens)
-        depth = _positive(owner, "attn_pool_depth", attn_pool_depth)
-        dim_pooled = stack.out_dim if dim_pooled_tokens is None else _positive(owner, "dim_pooled_tokens",
-                                                                                dim_pooled_tokens)
+        num = checks.count(num_pooled_tokens, f"{owner}: num_pooled_tokens")
+        depth = checks.count(attn_pool_depth, f"{owner}: attn_pool_depth")
+        dim_pooled = (stack.out_dim if dim_pooled_tokens is None
+                      else checks.count(dim_pooled_tokens, f"{owner}: dim_pooled_tokens"))
         attention = stack.cfg.attention
         return cls(stack.out_dim, dim_pooled, num, depth, attention.heads, attention.dim_head)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..stack import AttentionLayers
 
 
@@ -25,8 +26,7 @@ class Recycling(nn.Module):
     def build(cls, owner: str, recycling: object, train_max_steps: object, stack: AttentionLayers) -> "Recycling | None":
         if not isinstance(recycling, bool):
             raise TypeError(f"{owner}: recycling must be True or False, got {recycling!r}")
-        if isinstance(train_max_steps, bool) or not isinstance(train_max_steps, int) or train_max_steps < 1:
-            raise ValueError(f"{owner}: train_max_recycle_steps must be a positive integer, got {train_max_steps!r}")
+        checks.count(train_max_steps, f"{owner}: train_max_recycle_steps")
         if not recycling:
             return None
         if stack.out_dim != stack.dim:
@@ -36,9 +36,7 @@ class Recycling(nn.Module):
 
     def steps(self, given: int | None, training: bool) -> int:
         if given is not None:
-            if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-                raise ValueError(f"recycle_steps must be a positive integer, got {given!r}")
-            return given
+            return checks.count(given, "recycle_steps")
         if training:
             return random.randint(1, self.train_max_steps)
         raise ValueError("recycling=True: pass recycle_steps= to the forward outside training")

@@ -17,7 +17,7 @@ from ..position import wrapper_positions
 from ..registry import NORM
 from ..stack import AttentionLayers, Intermediates
 from . import interspersed as spread
-from . import inputs
+from . import inputs, placement
 
 
 def _stack(attn_layers: object, owner: str) -> AttentionLayers:
@@ -166,7 +166,7 @@ class SequenceWrapper(nn.Module):
         new_mems = None
         if (self.max_mem_len or carried is not None) and record is not None:
             new_mems = memories.update(self, mems, mem_masks, seen, record, mask, carried)
-        return landmark.remove(spread.remove(out, spots), slots), record, new_mems
+        return placement.remove(placement.remove(out, spots), slots), record, new_mems
 
     def _check_front(self, state: DecodeState | None, slots: object) -> None:
         """Front embeddings take no absolute position (the text's are added before them, from 0, as

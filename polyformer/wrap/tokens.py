@@ -167,8 +167,8 @@ class TransformerWrapper(SequenceWrapper):
                           else nn.Linear(stack.out_dim, out_features, bias=logits_bias))
         self.output_heads = (nn.ModuleList(nn.Linear(stack.out_dim, out_features, bias=logits_bias)
                                            for _ in range(heads)) if heads > 1 else None)
-        self.mixture = (outputs.MixtureOfSoftmaxes(stack.out_dim, outputs.check_mixture(
-            "TransformerWrapper", mixture_of_softmax_k)) if mixture_of_softmax else None)
+        self.mixture = (outputs.MixtureOfSoftmaxes(stack.out_dim, checks.count(
+            mixture_of_softmax_k, "TransformerWrapper: mixture_of_softmax_k")) if mixture_of_softmax else None)
 
     def project(self, x: Tensor) -> Tensor:
         """x (..., dim) -> logits (..., num_tokens): the tied embedding or the output layer."""
@@ -226,19 +226,13 @@ class TransformerWrapper(SequenceWrapper):
             raise ValueError("return_logits_and_embeddings gives both; it cannot combine with return_embeddings or a "
                              "model built with return_only_embed")
         if cache is not None:
-            if state is not None:
-                raise ValueError("pass cache or state, not both")
-
-            call = cache_mod.caller(
-                self.forward, x, pos, {**given, "embed_ids": embed_ids or {}},
+            out, record = cache_mod.cached(
+                self, x, pos, given,
                 dict(context=context, context_mask=context_mask, return_embeddings=return_embeddings,
                      return_attn=return_attn, prefix_len=prefix_len, knn_clear=knn_clear, excise_prepend_embeds=True,
                      return_logit_entropies=return_logit_entropies, recycle_steps=recycle_steps,
                      return_logits_and_embeddings=return_logits_and_embeddings, input_not_include_cache=False),
-                dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask))
-            front = self.num_cls_tokens + (prepend_embeds.shape[1] if prepend_embeds is not None else 0)
-            out, record = cache_mod.cached(self, x, cache, front, call)
-            record.inputs = (x, pos, given)
+                dict(prepend_embeds=prepend_embeds, prepend_mask=prepend_mask), cache, state, self.num_cls_tokens)
             return (out, record) if return_intermediates or return_logit_entropies else out
         self._check_common(n, b, mask, mems, return_mems, return_attn, pos, state)
         if embed_ids is not None:

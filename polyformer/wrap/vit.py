@@ -41,8 +41,7 @@ class ViTransformerWrapper(nn.Module):
         self.dropout = nn.Dropout(emb_dropout)
         self.attn_layers = stack
         self.allow_nonfinite = allow_nonfinite
-        if isinstance(num_register_tokens, bool) or not isinstance(num_register_tokens, int) or num_register_tokens < 0:
-            raise ValueError(f"ViTransformerWrapper: num_register_tokens must be an integer >= 0, got {num_register_tokens!r}")
+        checks.count(num_register_tokens, "ViTransformerWrapper: num_register_tokens", 0)
         self.register_tokens = nn.Parameter(torch.randn(num_register_tokens, dim) * 0.02) if num_register_tokens else None
         self.mlp_head = None
         if num_classes is not None:

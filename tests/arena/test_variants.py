@@ -12,7 +12,7 @@ from polyformer import registry
 from polyformer.attention.knn_memory import read_only
 
 STAGES = {"position": "position", "bias": "bias", "kernel": "kernel", "normalize": "normalize", "pattern": "pattern",
-          "mixer": "mixer"}
+          "mixer": "mixer", "relative": "relative"}
 
 
 def tiny(v: Variant, causal: bool) -> torch.nn.Module:
@@ -54,8 +54,9 @@ def reached(stage: str) -> set[str]:
             names |= {c.name for c in cfg.pattern}
         elif stage == "kernel":
             names.add(cfg.kernel.name)
-        elif stage == "mixer":
-            names |= {layers.mixer.name} if layers.mixer is not None else set()
+        elif stage in ("mixer", "relative"):
+            choice = layers.mixer if stage == "mixer" else cfg.relative
+            names |= {choice.name} if choice is not None else set()
         else:
             names.add(getattr(cfg, stage))
     return names

@@ -42,8 +42,8 @@ def test_per_row_prefixes_and_cached_continuation():
     x = ids(2, 10)
     lengths = torch.tensor([4, 1])
     full = model(x, prefix_len=lengths)
-    for row in range(2):
-        assert_close(full[row:row + 1], model(x[row:row + 1], prefix_len=int(lengths[row])), atol=1e-6, rtol=0)
+    for row in range(2):        # a batch of 2 and a row alone differ only by float summation order (~1e-6)
+        assert_close(full[row:row + 1], model(x[row:row + 1], prefix_len=int(lengths[row])), atol=1e-5, rtol=0)
     state = model.new_state(2, 10)
     cached = torch.cat((model(x[:, :6], prefix_len=lengths, state=state), model(x[:, 6:], state=state)), dim=1)
     assert_close(cached, full, atol=1e-5, rtol=1e-5)

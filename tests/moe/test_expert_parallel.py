@@ -21,7 +21,7 @@ from polyformer.moe import parallel
 from polyformer.train.objectives import LanguageModeling
 from polyformer.train.setup import optimizer_for
 
-ROWS, STEPS, CLIP = 4, 2, 0.05
+ROWS, STEPS, CLIP, LR = 4, 2, 0.05, 1e-2
 MOE = dict(ff_moe=True, ff_num_experts=4, ff_moe_top_k=2, ff_moe_balance_loss=0.1, ff_moe_z_loss=0.01)
 
 
@@ -39,7 +39,7 @@ def batches() -> list[torch.Tensor]:
 def train(model: nn.Module, rows: slice, sync, clip) -> dict:
     """STEPS clipped AdamW steps on the rows of each batch; the losses (the world's mean), the first step's
     gradients and the final weights and optimizer state, whole."""
-    objective, optimizer = LanguageModeling(), optimizer_for(model, 1e-2, 0.1)
+    objective, optimizer = LanguageModeling(), optimizer_for(model, LR, 0.1)
     losses, grads = [], None
     for batch in batches():
         optimizer.zero_grad()
@@ -106,8 +106,10 @@ def assert_equal(got: dict, want: dict) -> None:
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, atol=1e-5, rtol=0, msg=name)
+    # AdamW divides by sqrt(v) + eps: a gradient element near eps (~1e-9 after clipping) turns the gradients'
+    # summation-order error (~1e-3 relative, within the 1e-5 above) into up to lr / 400 of weight per step
     for name, weight in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(got["weights"][name], weight, atol=STEPS * LR / 400, rtol=0, msg=name)
     for index, state in want["optimizer"]["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got["optimizer"]["state"][index][key], value, atol=1e-5, rtol=0)

@@ -1,7 +1,6 @@
 """x-transformers 2.31.10's README blocks left out of test_xt2_readme*.py until their keywords were built: the
 simple RMSNorm, straight-through top-k, hard attention, ResiDual, NormFormer's head scale, scale_residual and
-xVal, in README order (see test_xt2_readme.py for the conventions: their keywords and calls, our sizes, an
-assertion of what each block claims)."""
+xVal, in README order (conventions: xt2_checks)."""
 
 from __future__ import annotations
 
@@ -73,24 +72,16 @@ def test_hard_attention():
 
 def test_resi_dual():
     torch.manual_seed(0)
-    model = TransformerWrapper(
-        num_tokens = NUM,
-        max_seq_len = SEQ,
-        attn_layers = Decoder(
-            dim = DIM,
-            depth = 6,
-            heads = 8,
-            resi_dual = True,               # set this to True
-            resi_dual_scale = 0.1           # in appendix, they said on fp16 the prenorm residual is prone to overflow. they claim by scaling it at each layer by a factor, it would prevent the overflow, and keep results the same (as layernorms are invariant to scaling of the input)
-        )
+    model = lm(
+        depth = 6,
+        resi_dual = True,               # set this to True
+        resi_dual_scale = 0.1           # in appendix, they said on fp16 the prenorm residual is prone to overflow. they claim by scaling it at each layer by a factor, it would prevent the overflow, and keep results the same (as layernorms are invariant to scaling of the input)
     )
 
     x = torch.randint(0, NUM, (1, SEQ))
     out = model(x)
     assert out.shape == (1, SEQ, NUM)
-    unscaled = TransformerWrapper(num_tokens = NUM, max_seq_len = SEQ,
-                                  attn_layers = Decoder(dim = DIM, depth = 6, heads = 8, resi_dual = True))
-    unscaled = copy_weights(model, unscaled)
+    unscaled = copy_weights(model, lm(depth = 6, resi_dual = True))
     with torch.no_grad():          # the scale keeps the results: the stream's layernorm undoes it, up to its eps
         model.eval().attn_layers.resi_dual.norm.eps = 1e-5 * 0.1 ** 2
         torch.testing.assert_close(model(x), unscaled(x), atol=1e-4, rtol=1e-4)

@@ -1,12 +1,7 @@
-"""x-transformers 2.31.10's README, from Rotary Positional Embeddings to the end (Miscellaneous), as
-tests (see test_xt2_readme.py). resi_dual, attn_head_scale, scale_residual and
-XValTransformerWrapper / XValAutoregressiveWrapper: test_xt2_readme_extra.py.
-
-Each block keeps its keywords and call pattern; sizes are ours (xt2_checks: dim 32, depth 2, seq 16,
-256 tokens); `.cuda()` is dropped; a block that misses its own import gets it. A block that only builds
-`TransformerWrapper(num_tokens, max_seq_len, attn_layers = Decoder(dim, depth, heads, ...))` (or an
-Encoder) is built by `lm(...)` (`enc(...)`) with its keywords as written. Each test asserts what the
-block claims."""
+"""x-transformers 2.31.10's README, from Rotary Positional Embeddings to the end (Miscellaneous), as tests
+(conventions: xt2_checks). resi_dual, attn_head_scale, scale_residual and XValTransformerWrapper /
+XValAutoregressiveWrapper: test_xt2_readme_extra.py. Rotary embeddings, shifted tokens (both blocks), cross
+attention and continuous embeddings are the 2021 README's blocks: test_spec_examples_positions.py."""
 
 from __future__ import annotations
 
@@ -14,34 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from polyformer import (AutoregressiveWrapper, ContinuousAutoregressiveWrapper, ContinuousTransformerWrapper,
-                        CrossAttender, Decoder, Encoder, TransformerWrapper)
+                        Decoder, TransformerWrapper)
 from polyformer.interfaces import KV
 from tests.readme.xt2_checks import (DEPTH, DIM, NUM, SEQ, assert_cached_generation, assert_causal,
-                                     assert_finite, assert_trains, ids, lm)
-
-
-@torch.no_grad()
-def assert_relative(model: TransformerWrapper, offset: int = 5) -> None:
-    """Relative positions only: moving the whole sequence by `offset` positions changes nothing."""
-    x = ids()
-    pos = torch.arange(SEQ)[None]
-    torch.testing.assert_close(model.eval()(x, pos = pos + offset), model(x, pos = pos), atol=1e-4, rtol=1e-4)
+                                     assert_relative, assert_trains, copy_weights, ids, lm)
 
 
 # ------------------------------------------------------------------------------------------------
 # positions
 
-def test_rotary_positional_embeddings():
-    model = lm(rotary_pos_emb = True)  # turns on rotary positional embeddings
-    assert model.pos_emb is None
-    assert_relative(model)
-    assert_causal(model, ids())
-    assert_cached_generation(model)
-
-
 def test_rotary_xpos():
     model = lm(rotary_xpos = True)   # modified rotary to extrapolate well beyond length at which it was trained
     assert_relative(model)
+    with torch.no_grad():               # xPos's decay on top of the rotation: not plain rotary
+        assert not torch.allclose(model(ids()), copy_weights(model, lm(rotary_pos_emb = True), strict = False)(ids()))
     assert model(ids(3 * SEQ)).shape == (1, 3 * SEQ, NUM)      # beyond max_seq_len
     assert_cached_generation(model)
 
@@ -75,27 +56,6 @@ def test_alibi_on_some_heads():
 
 # ------------------------------------------------------------------------------------------------
 # shifted tokens, norms
-
-def test_shift_tokens():
-    model = lm(shift_tokens = 1)
-    shift = model.attn_layers.blocks[0].shift
-    h = torch.randn(1, 5, DIM)
-    out = shift(h)              # half the features come from the previous position
-    torch.testing.assert_close(out[..., :DIM // 2], h[..., :DIM // 2])
-    torch.testing.assert_close(out[:, 1:, DIM // 2:], h[:, :-1, DIM // 2:])
-    assert not out[:, 0, DIM // 2:].any()
-    assert all(b.shift is not None for b in model.attn_layers.blocks)
-    assert_cached_generation(model)
-
-
-def test_shift_tokens_per_block():
-    model = lm(
-        depth = 6,
-        shift_tokens = (1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0) # 12 blocks, attention and feedforward alternating, with progressively less shifting
-    )
-    assert [b.shift is not None for b in model.attn_layers.blocks] == [True] * 6 + [False] * 6
-    assert_causal(model, ids())
-
 
 def test_sandwich_norm():
     model = lm(sandwich_norm = True) # set this to True
@@ -164,15 +124,9 @@ def test_qk_rmsnorm_dim_scale():
 
 
 def test_no_absolute_positions():
-    model = TransformerWrapper(
-        num_tokens = NUM,
-        max_seq_len = SEQ,
+    model = lm(
         use_abs_pos_emb = False,   # set this to False
-        attn_layers = Decoder(
-            dim = DIM,
-            depth = 1,
-            heads = 8,
-        )
+        depth = 1,
     ).eval()
     assert model.pos_emb is None
     x = ids()
@@ -185,15 +139,7 @@ def test_no_absolute_positions():
 
 def test_forgetful_causal_mask():
     torch.manual_seed(0)
-    model = TransformerWrapper(
-        num_tokens = NUM,
-        max_seq_len = SEQ,
-        attn_layers = Decoder(
-            dim = DIM,
-            depth = DEPTH,
-            heads = 8
-        )
-    )
+    model = lm()
 
     model = AutoregressiveWrapper(
         model,
@@ -211,52 +157,6 @@ def test_forgetful_causal_mask():
 
 # ------------------------------------------------------------------------------------------------
 # Miscellaneous
-
-def test_cross_attention():
-    enc = Encoder(dim = DIM, depth = DEPTH)
-    model = CrossAttender(dim = DIM, depth = DEPTH)
-
-    nodes = torch.randn(1, 1, DIM)
-    node_masks = torch.ones(1, 1).bool()
-
-    neighbors = torch.randn(1, 5, DIM)
-    neighbor_masks = torch.ones(1, 5).bool()
-
-    encoded_neighbors = enc(neighbors, mask = neighbor_masks)
-    out = model(nodes, context = encoded_neighbors, mask = node_masks, context_mask = neighbor_masks) # (1, 1, 512)
-    assert out.shape == (1, 1, DIM)
-    assert_trains(out.square().mean(), enc, model)
-    enc.eval(), model.eval()
-    neighbor_masks[:, -1] = False               # a masked neighbour is not read
-    changed = neighbors.clone()
-    changed[:, -1] += 1.0
-    with torch.no_grad():
-        a, b = (model(nodes, context = enc(n, mask = neighbor_masks), mask = node_masks,
-                      context_mask = neighbor_masks) for n in (neighbors, changed))
-        torch.testing.assert_close(a, b)
-        assert not torch.allclose(a, model(nodes, context = enc(changed)))
-
-
-def test_continuous_embeddings():
-    model = ContinuousTransformerWrapper(
-        dim_in = 8,
-        dim_out = 12,
-        max_seq_len = SEQ,
-        attn_layers = Decoder(
-            dim = DIM,
-            depth = DEPTH,
-            heads = 8
-        )
-    )
-
-    x = torch.randn((1, SEQ, 8))
-    mask = torch.ones(1, SEQ).bool()
-
-    out = model(x, mask = mask) # (1, 1024, 100)
-    assert out.shape == (1, SEQ, 12)
-    assert_finite(out)
-    assert_causal(model, x, mask = mask)
-
 
 def test_continuous_autoregressive():
     model = ContinuousTransformerWrapper(
