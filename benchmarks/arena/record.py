@@ -42,10 +42,12 @@ def merge(out_dir: Path, task: str, settings: dict[str, Any], rows: dict[str, An
         row.setdefault("commit", env["polyformer_commit"])
         row.setdefault("date", env["date"])
         row.setdefault("threads", env["torch_threads"])       # tokens/s depend on it: shown when rows differ
+        row.setdefault("cpu", env["cpu"])                       # and on the processor
     if old is not None and old.get("settings") == json.loads(json.dumps(settings)):
         kept = {k: v for k, v in old["rows"].items() if k not in rows}
-        for row in kept.values():         # rows from before threads were kept per row: their record's count
+        for row in kept.values():         # rows from before these were kept per row: their record's values
             row.setdefault("threads", old["environment"].get("torch_threads"))
+            row.setdefault("cpu", old["environment"].get("cpu"))
         merged = {**kept, **rows}
     else:
         if old is not None:
@@ -63,8 +65,17 @@ def save(out_dir: Path, task: str, settings: dict[str, Any], rows: dict[str, Any
     return rec
 
 
-def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str]) -> Path:
-    """Write the record as JSON and its markdown (the PNGs are already in out_dir)."""
+def most_common(rows: dict[str, Any], key: str, default: Any) -> tuple[dict[str, Any], Any]:
+    """Each row's `key` (rows without it left out) and the value most rows have (`default` if none has one)."""
+    values = {name: r.get(key) for name, r in rows.items() if r.get(key) is not None}
+    listed = list(values.values())
+    return values, max(set(listed), key=listed.count) if listed else default
+
+
+def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str],
+          speed_note: str = "their absolute speed is not comparable") -> Path:
+    """Write the record as JSON and its markdown (the PNGs are already in out_dir). `speed_note`: what a
+    row measured on another processor means for the task's table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     task = record["task"]
     record = {**record, "plots": plots}
@@ -73,9 +84,9 @@ def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str]
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     tmp.replace(json_path)
     env = record["environment"]
-    counts = {name: r.get("threads") for name, r in record["rows"].items() if r.get("threads") is not None}
-    usual = max(set(counts.values()), key=list(counts.values()).count) if counts else env["torch_threads"]
-    footer = (f"\n\nMeasured on {env['cpu']} ({env['cpu_count']} cores, {usual} torch threads), "
+    counts, usual = most_common(record["rows"], "threads", env["torch_threads"])
+    cpus, usual_cpu = most_common(record["rows"], "cpu", env["cpu"])
+    footer = (f"\n\nMeasured on {usual_cpu} ({env['cpu_count']} cores, {usual} torch threads), "
               f"torch {env['packages']['torch']}; rows carry their own commit and date "
               f"(this write: {env['polyformer_commit']}, {env['date']}). Settings: "
               f"`{json.dumps(record['settings'], sort_keys=True)}`.\n")
@@ -86,6 +97,9 @@ def write(out_dir: Path, record: dict[str, Any], markdown: str, plots: list[str]
     if odd:
         notes.append("Rows measured with another number of torch threads (their speed is not comparable): "
                      + ", ".join(f"`{name}` ({counts[name]})" for name in odd) + ".")
+    if odd_cpu := sorted(name for name, cpu in cpus.items() if cpu != usual_cpu):
+        notes.append(f"Rows measured on another processor ({speed_note}): "
+                     + ", ".join(f"`{name}` ({cpus[name]})" for name in odd_cpu) + ".")
     footer = ("\n\n" + " ".join(notes) if notes else "") + footer
     images = "".join(f"\n![{p}]({p})\n" for p in plots)
     (out_dir / f"{task}.md").write_text(markdown.rstrip() + "\n" + images + footer)

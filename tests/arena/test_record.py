@@ -56,3 +56,31 @@ def test_an_oom_stops_longer_lengths_only_and_later_rounds_measure_the_shorter_o
         assert cells[depth]["128"]["status"] == "ok" and len(cells[depth]["128"]["rounds"]) == 2
         assert cells[depth]["256"]["status"] == "oom"
         assert calls.count(("window", int(depth), 128)) == 2 and calls.count(("window", int(depth), 256)) == 1
+
+
+def test_efficiency_rows_keep_the_dense_of_their_own_run(tmp_path, monkeypatch):
+    """A row's ratios are taken against dense as measured in the same run: a later run (perhaps on another
+    processor) re-measures dense without changing an earlier row's speed-up, and the table names a row whose
+    processor differs."""
+    from benchmarks.arena.tasks import efficiency
+    from benchmarks.arena.variants import variant
+
+    dense_seconds = {"value": 0.4}
+
+    def fake(name, depth, length, s, seed, log):
+        seconds = dense_seconds["value"] if name == "dense" else 0.1
+        return {"status": "ok", "seconds": seconds, "all_seconds": [seconds], "peak_mib": 10.0}
+
+    monkeypatch.setattr(efficiency, "measure", fake)
+    run = dict(budget=None, out_dir=tmp_path, quick=True, seed=0, log=lambda m: None, changes={"rounds": 1})
+    efficiency.run([variant("window")], **run)
+    stored = json.loads((tmp_path / "efficiency.json").read_text())
+    stored["rows"]["window"]["cpu"] = "another CPU"
+    (tmp_path / "efficiency.json").write_text(json.dumps(stored))
+    dense_seconds["value"] = 0.2                # the next run's machine is twice as fast at dense
+    rec = efficiency.run([variant("strided")], **run)
+    for depth, cells in rec["rows"]["window"]["results"].items():
+        assert all(cell["speedup"] == 4.0 for cell in cells.values())
+        assert all(cell["speedup"] == 2.0 for cell in rec["rows"]["strided"]["results"][depth].values())
+    page = (tmp_path / "efficiency.md").read_text()
+    assert "another processor" in page and "`window` (another CPU)" in page

@@ -97,11 +97,29 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_mib": max(peaks) if peaks else None, "rounds": rounds}
 
 
+def baseline_of(results: dict[str, Any]) -> dict[str, Any]:
+    """The dense cells a row's ratios are taken against: status, seconds and peak of each (depth, length)."""
+    return {depth: {length: {k: cell[k] for k in ("status", "seconds", "peak_mib") if k in cell}
+                    for length, cell in cells.items()} for depth, cells in results.items()}
+
+
+def pin_baselines(rows: dict[str, Any], measured: dict[str, Any], old: dict[str, Any] | None) -> None:
+    """Give every row the dense cells of its own run (dense is re-measured in every run): the rows just
+    `measured` this run's, rows kept from the `old` record (before rows carried theirs) the old dense row's,
+    so a row's ratios never mix two runs (or two processors)."""
+    now = baseline_of(measured.get(BASELINE, {}).get("results", {}))
+    before = baseline_of((old or {}).get("rows", {}).get(BASELINE, {}).get("results", {}))
+    for name, row in rows.items():
+        if name != BASELINE:
+            row.setdefault("baseline", now if name in measured else before)
+
+
 def add_ratios(rows: dict[str, Any]) -> None:
     """Speed-up (dense time / variant time) and memory ratio (variant peak / dense peak) in place,
-    against the record's dense row (re-measured in every run, so kept rows compare to the newest)."""
-    base = rows.get(BASELINE, {}).get("results", {})
-    for row in rows.values():
+    against the dense cells measured in the row's own run (`baseline`; the dense row's for itself)."""
+    for name, row in rows.items():
+        base = row.get("baseline") if name != BASELINE else row.get("results", {})
+        base = base if base is not None else rows.get(BASELINE, {}).get("results", {})
         for depth, cells in row.get("results", {}).items():
             for length, cell in cells.items():
                 d = base.get(depth, {}).get(length, {})
@@ -132,8 +150,8 @@ def markdown(record: dict[str, Any]) -> str:
             f"in a rotated order each round{again}. Time is the median over rounds. Peak memory is the resident "
             f"high-water mark (VmHWM) the steps added over the process's size after building the stack and "
             f"the input and one untimed {PRIMER}-token step (so one-time loading is not counted); the largest over "
-            f"rounds. Speed-up = dense time / variant time; memory ratio = variant peak / dense peak "
-            f"(LRA Table 2)."]
+            f"rounds. Speed-up = dense time / variant time; memory ratio = variant peak / dense peak (LRA Table 2), "
+            f"dense as measured in the variant's own run."]
     if others and max(others) >= QUIET:
         text.append(f"Other processes used up to {max(others):.1f} CPUs during some timed steps "
                     f"(each round's `others_cpus` in the JSON).")
@@ -241,9 +259,12 @@ def run(variants: list[Variant], *, budget: Budget | None, out_dir: Path, quick:
                 log(f"efficiency round {r + 1}/{s['rounds']}, {depth} layer(s), {length} tokens, {name}: {took}")
     for (name, depth, length), rounds in runs.items():
         rows[name].setdefault("results", {}).setdefault(str(depth), {})[str(length)] = summarise(rounds)
+    old = rec.load(out_dir, "efficiency")
     record = rec.merge(out_dir, "efficiency", s, rows)
+    pin_baselines(record["rows"], rows, old if old is not None and old.get("settings") == s else None)
     add_ratios(record["rows"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(record, out_dir)
-    rec.write(out_dir, record, markdown(record), plots)
+    rec.write(out_dir, record, markdown(record), plots,
+              speed_note="its seconds are not comparable; its ratios are, taken against dense in the same run")
     return record
