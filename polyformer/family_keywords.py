@@ -197,6 +197,11 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     "attn_gate_value_heads": ScoreRoute("attention.scores.gate_value_heads"),
     "attn_output_gate": ScoreRoute("attention.scores.output_gate"),
     "attn_output_gate_headwise": ScoreRoute("attention.scores.output_gate_headwise"),
+    "attn_output_gate_rank": ScoreRoute("attention.scores.output_gate_rank", same),
+    "attn_gate_values_headwise": ScoreRoute("attention.scores.gate_values_headwise"),
+    "attn_gate_values_rank": ScoreRoute("attention.scores.gate_values_rank", same),
+    "attn_swiglu_values": ScoreRoute("attention.scores.swiglu_values"),
+    "attn_low_rank_silu_gates": ScoreRoute("attention.scores.low_rank_silu_gates"),
     # x-transformers' residual / norm / feedforward keywords (hyper.py, layerscale.py, conditioning.py, dyt.py,
     # feedforward_norm.py; wired by residual_extras.py)
     "num_residual_streams": Route("residual_streams"),

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import checks, deepnet, early_exit, per_layer, residual_extras, reversible, rules, stack_policies, universal
 from . import attn_mask as attn_masks
-from .attention import knn_memory
+from .attention import hard_log_probs, knn_memory
 from .attention.attention import Attention
 from .block import Block
 from .position import relative
@@ -51,6 +51,7 @@ class Intermediates:
     mems: list[Tensor] = field(default_factory=list)
     # a lambda: torch.compile cannot call the class as a factory
     losses: AuxLosses = field(default_factory=lambda: AuxLosses())
+    gumbel_log_probs: list[Tensor] = field(default_factory=list)    # return_gumbel_log_probs (hard_log_probs.py)
 
 
 class AttentionLayers(nn.Module):
@@ -76,6 +77,8 @@ class AttentionLayers(nn.Module):
         return_attn: keep the attention weights (forces the reference path); returns
             (out, Intermediates) like return_intermediates.
         return_intermediates: return (out, Intermediates).
+        return_gumbel_log_probs: (out, Intermediates) with `gumbel_log_probs`: per block that picks keys
+            (attn_hard, attn_gumbel_softmax), the log-probability of each query's pick (attention/hard_log_probs.py).
         knn_clear: (b,) bool, with knn_memory_layers: clear these rows' kNN memories first (a new document).
         attn_mask: (i, j), (h, i, j) or (b, h, i, j) bool over x's text positions: which keys each query of
             every self-attention block may see, on top of its pattern (x-transformers' attn_mask; attn_mask.py).
@@ -255,7 +258,10 @@ class AttentionLayers(nn.Module):
                 prefix_len: Tensor | int | None = None, return_attn: bool = False,
                 return_intermediates: bool = False, global_mask: Tensor | None = None,
                 knn_clear: Tensor | None = None, carried: dict | None = None, attn_mask: Tensor | None = None,
-                condition: Tensor | None = None) -> Tensor | tuple[Tensor, Intermediates]:
+                condition: Tensor | None = None,
+                return_gumbel_log_probs: bool = False) -> Tensor | tuple[Tensor, Intermediates]:
+        if return_gumbel_log_probs:         # (out, record with gumbel_log_probs): attention/hard_log_probs.py
+            return hard_log_probs.returned(self, self, dict(locals()))
         checks.stack_inputs(self, x, mask, context, context_mask, mems, mem_masks, pos)
         if global_mask is not None:
             checks.global_mask(self, global_mask, x)

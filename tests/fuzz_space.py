@@ -139,6 +139,9 @@ LAYER_SPACE: dict[str, st.SearchStrategy] = {
     "attn_gate_value_heads": sometimes(TRUE, 22),
     "attn_output_gate": sometimes(TRUE, 22),
     "attn_output_gate_headwise": sometimes(TRUE, 26),
+    "attn_output_gate_rank": sometimes([3], 26),
+    "attn_gate_values_rank": sometimes([3], 26),
+    "attn_swiglu_values": sometimes(TRUE, 24),
     "attn_head_scale": sometimes(TRUE, 22),
     "attn_sparse_topk_straight_through": sometimes(TRUE, 22),
     "attn_hard": sometimes(TRUE, 24),
@@ -226,6 +229,8 @@ WRAPPERS = ("token", "continuous", "vit", "xtransformer")
 NEEDS = {"attn_qk_norm_groups": "attn_qk_norm", "attn_qk_norm_scale": "attn_qk_norm",
          "attn_qk_norm_dim_scale": "attn_qk_norm", "attn_sigmoid_bias": "attn_sigmoid",
          "attn_logit_softclamp_value": "attn_softclamp_logits", "attn_output_gate_headwise": "attn_output_gate",
+         "attn_output_gate_rank": "attn_output_gate", "attn_gate_values_rank": "attn_gate_values",
+         "attn_swiglu_values": "attn_output_gate",
          "attn_dim_latent_q": "attn_use_latent_q", "attn_dim_latent_kv": "attn_use_latent_kv",
          "attn_latent_rope_subheads": "attn_use_latent_kv", "attn_data_dependent_alibi_per_row":
          "attn_data_dependent_alibi", "attn_data_dependent_alibi_per_row_dim_head": "attn_data_dependent_alibi_per_row",

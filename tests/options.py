@@ -196,6 +196,8 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "attn_max_attend_past": dict(attn_max_attend_past=3, rotary_pos_emb=True),
     "attn_head_gates": dict(attn_gate_value_heads=True, attn_output_gate=True, attn_output_gate_headwise=True),
     "attn_output_gate": dict(attn_output_gate=True, attn_num_mem_kv=2),
+    "attn_hybrid_gate": dict(attn_gate_values=True, attn_gate_values_rank=3, attn_output_gate=True,
+                             attn_output_gate_headwise=True, attn_swiglu_values=True),
     # x-transformers' stack policies (stack_policies.py, stack_order.py, attention/value_residual.py): repeated runs
     # of blocks with token shift (one decode slot per run), a PAR layout, U-Net skips, the reinjected input with its
     # gate, learned and fixed value residuals (keys and a recurrent summary); layer_dropout (training only, it leaves

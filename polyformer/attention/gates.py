@@ -2,8 +2,13 @@
 
 gate_value_heads: out_h *= sigmoid(w_h . x + b_h), one gate per head from the block input, w = 0 and b = 10 at
 init (nearly open), so a head can learn to add nothing (arXiv:2306.12929, "attend to nothing").
-output_gate: out *= sigmoid(W o), from the merged attention output o itself, W bias-less and zero at init (a
-gate of 1/2); per feature, or with output_gate_headwise one gate per head (x-transformers' output gate).
+Hybrid gated attention (HyGA, x-transformers' output_gate / gate_values options): one gate
+out *= act(G_x(x) + G_h(o)), the sum of an input gate G_x from the block input x (gate_values) and an output
+gate G_h from the merged attention output o itself (output_gate), either or both. Each gate gives one logit per
+head feature, or with its `headwise` option one per head (broadcast over the head's features), and is a
+bias-less linear map zero at init (a gate of 1/2), or with its rank r a low-rank map W_up act(W_down .) with a
+SiLU in the middle (low_rank_silu_gates; identity without it), W_up zero at init. act is sigmoid, or SiLU with
+swiglu_values. gate_values alone, without any of these options, is AlphaFold2's gate instead (mixing.Output).
 """
 
 from __future__ import annotations
@@ -14,13 +19,26 @@ from torch import Tensor, nn
 from ..config import AttentionConfig
 from . import head_scale
 from .mixing import Output
+from .score_options import ScoreOptions, hybrid
+
+
+def projection(dim_in: int, dim_out: int, rank: int | None, silu: bool) -> nn.Module:
+    """A gate's logits: bias-less, zero at init; full rank, or W_up act(W_down x) through `rank` features."""
+    if rank is None:
+        linear = nn.Linear(dim_in, dim_out, bias=False)
+        nn.init.zeros_(linear.weight)
+        return linear
+    low = nn.Sequential(nn.Linear(dim_in, rank, bias=False), nn.SiLU() if silu else nn.Identity(),
+                        nn.Linear(rank, dim_out, bias=False))
+    nn.init.zeros_(low[2].weight)
+    return low
 
 
 class HeadGates(nn.Module):
     """Gates the heads' outputs (b, h, n, dv), then runs the block's output stage (merge and project)."""
 
     def __init__(self, output: nn.Module, dim: int, heads: int, dim_value: int, value_heads: bool,
-                 output_gate: bool, headwise: bool):
+                 o: ScoreOptions | None, input_gate: bool):
         super().__init__()
         self.output = output
         self.value_heads = None
@@ -28,31 +46,37 @@ class HeadGates(nn.Module):
             self.value_heads = nn.Linear(dim, heads)
             nn.init.zeros_(self.value_heads.weight)
             nn.init.constant_(self.value_heads.bias, 10.0)
-        self.out_gate = None
-        if output_gate:
-            self.out_gate = nn.Linear(heads * dim_value, heads if headwise else heads * dim_value, bias=False)
-            nn.init.zeros_(self.out_gate.weight)
+        inner = heads * dim_value
+        self.in_gate = self.out_gate = None
+        if input_gate:
+            self.in_gate = projection(dim, heads if o.gate_values_headwise else inner, o.gate_values_rank,
+                                      o.low_rank_silu_gates)
+        if o is not None and o.output_gate:
+            self.out_gate = projection(inner, heads if o.output_gate_headwise else inner, o.output_gate_rank,
+                                       o.low_rank_silu_gates)
+        self.act = torch.sigmoid if o is None or not o.swiglu_values else nn.functional.silu
 
     def forward(self, out: Tensor, x: Tensor) -> Tensor:
         b, h, n, d = out.shape
         if self.value_heads is not None:
             out = out * torch.sigmoid(self.value_heads(x)).transpose(1, 2)[..., None]     # (b, h, n, 1)
+        logits = 0
+        if self.in_gate is not None:
+            logits = logits + self.in_gate(x).view(b, n, h, -1).transpose(1, 2)            # (b, h, n, 1 | d)
         if self.out_gate is not None:
-            logits = self.out_gate(out.transpose(1, 2).reshape(b, n, h * d))              # (b, n, h | h d)
-            out = out * torch.sigmoid(logits.view(b, n, h, -1).transpose(1, 2))
+            merged = out.transpose(1, 2).reshape(b, n, h * d)
+            logits = logits + self.out_gate(merged).view(b, n, h, -1).transpose(1, 2)
+        if self.in_gate is not None or self.out_gate is not None:
+            out = out * self.act(logits)
         return self.output(out, x)
 
 
-def wrap(output: nn.Module, dim: int, cfg: AttentionConfig) -> nn.Module:
-    """The output stage behind the gates the config asks for, or as it is."""
-    o = cfg.scores
-    if o is None or not (o.gate_value_heads or o.output_gate):
-        return output
-    return HeadGates(output, dim, cfg.heads, cfg.dim_head, o.gate_value_heads, o.output_gate, o.output_gate_headwise)
-
-
 def output_stage(dim: int, cfg: AttentionConfig) -> nn.Module:
-    """The block's output stage: merge and project (mixing.Output), behind the gates and NormFormer's head scale
-    (attn_head_scale, head_scale.py) the config asks for."""
-    output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values, cfg.on_attn, cfg.out_bias)
-    return head_scale.wrap(wrap(output, dim, cfg), cfg)
+    """The block's output stage: merge and project (mixing.Output, with AlphaFold2's gate_values unless it is
+    the fused gate's input), behind the gates the config asks for and NormFormer's head scale (attn_head_scale,
+    head_scale.py)."""
+    fused, o = hybrid(cfg), cfg.scores
+    output = Output(dim, cfg.heads, cfg.dim_head, cfg.gate_values and not fused, cfg.on_attn, cfg.out_bias)
+    if fused or (o is not None and o.gate_value_heads):
+        output = HeadGates(output, dim, cfg.heads, cfg.dim_head, o.gate_value_heads, o, cfg.gate_values and fused)
+    return head_scale.wrap(output, cfg)

@@ -28,6 +28,19 @@ class ScoreOptions:
     gate_value_heads: bool = False      # attention/gates.py
     output_gate: bool = False
     output_gate_headwise: bool = False
+    output_gate_rank: int | None = None
+    gate_values_headwise: bool = False  # gate_values as the fused gate's input gate (attention.gate_values)
+    gate_values_rank: int | None = None
+    swiglu_values: bool = False         # the fused gate through SiLU instead of sigmoid
+    low_rank_silu_gates: bool = True    # a SiLU between a low-rank gate's two maps
+
+
+def hybrid(a: Any) -> bool:
+    """Whether an attention config asks for the fused gate of gates.py (so its gate_values is that gate's input
+    gate, not AlphaFold2's)."""
+    o = a.scores
+    return o is not None and (o.output_gate or (a.gate_values and (
+        o.gate_values_rank is not None or o.gate_values_headwise or o.swiglu_values)))
 
 
 @dataclass(frozen=True)

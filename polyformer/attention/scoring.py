@@ -28,7 +28,7 @@ from .hard_attention import keyword as normalizer_keyword
 from . import topk_straight
 from .mixing import TalkingHeads
 from .normalize import fill_masked, zero_masked
-from .score_options import ScoreOptions
+from .score_options import ScoreOptions, hybrid
 
 if TYPE_CHECKING:
     from ..config import AttentionConfig, LayersConfig
@@ -156,9 +156,38 @@ def bind(kernel: nn.Module, losses: AuxLosses) -> None:
 # --- checks ----------------------------------------------------------------------------------------------------
 
 SWITCHES = {"qk_norm": ("qk_norm_groups", "qk_norm_scale", "qk_norm_dim_scale"), "sigmoid": ("sigmoid_bias",),
-            "softclamp": ("softclamp_value",), "output_gate": ("output_gate_headwise",)}
+            "softclamp": ("softclamp_value",), "output_gate": ("output_gate_headwise", "output_gate_rank")}
 SCORE_FIELDS = ("qk_norm", "sigmoid", "softclamp", "head_sink", "zero_kv", "pre_talking_heads",
                 "post_talking_heads", "z_loss_weight")     # what needs the dense kernel's score matrix
+
+
+def gate_problems(a: Any, dim: int) -> list[str]:
+    """What the fused gate's options (gates.py) cannot be: each needs its gate; a low-rank gate's rank is below
+    its input or output width, and is not headwise (x-transformers' rules)."""
+    o, found = a.scores, []
+    inner = a.heads * a.dim_head
+    if not a.gate_values and (o.gate_values_headwise or o.gate_values_rank is not None):
+        found.append("attn_gate_values_headwise / attn_gate_values_rank shape the input gate: they need "
+                     "attn_gate_values=True")
+    if o.swiglu_values and not (a.gate_values or o.output_gate):
+        found.append("attn_swiglu_values sets the fused gate's activation: it needs attn_gate_values=True or "
+                     "attn_output_gate=True")
+    if not o.low_rank_silu_gates and o.gate_values_rank is None and o.output_gate_rank is None:
+        found.append("attn_low_rank_silu_gates=False changes a low-rank gate: it needs attn_gate_values_rank or "
+                     "attn_output_gate_rank")
+    for name, rank, headwise, width_in in (("gate_values", o.gate_values_rank, o.gate_values_headwise, dim),
+                                           ("output_gate", o.output_gate_rank, o.output_gate_headwise, inner)):
+        if rank is None:
+            continue
+        if wrong := checks.whole(rank, f"attn_{name}_rank"):
+            found += wrong
+        elif headwise:
+            found.append(f"attn_{name}_rank and attn_{name}_headwise conflict: a headwise gate projects straight "
+                         "to one logit per head; choose one")
+        elif rank >= max(width_in, inner):
+            found.append(f"attn_{name}_rank must be below the gate's input ({width_in}) or output ({inner}) width "
+                         f"to be low rank, got {rank}")
+    return found
 
 
 def keyword(field: str) -> str:
@@ -182,8 +211,10 @@ def _problems(a: Any, cfg: "LayersConfig") -> list[str]:
              if not getattr(o, switch) and any(getattr(o, f) != getattr(default, f) for f in opts)]
     found += [p for f in ("qk_norm", "qk_norm_dim_scale", "sigmoid", "softclamp", "head_sink", "zero_kv",
                           "pre_talking_heads", "post_talking_heads", "gate_value_heads", "output_gate",
-                          "output_gate_headwise") for p in checks.flag(getattr(o, f), keyword(f))]
+                          "output_gate_headwise", "gate_values_headwise", "swiglu_values", "low_rank_silu_gates")
+              for p in checks.flag(getattr(o, f), keyword(f))]
     found += checks.whole(o.qk_norm_groups, "attn_qk_norm_groups")
+    found += gate_problems(a, cfg.dim)
     if o.qk_norm and not found and (a.dim_head % o.qk_norm_groups or a.dim_head // o.qk_norm_groups < 2):
         found.append(f"attn_qk_norm_groups must divide attn_dim_head ({a.dim_head}) into groups of at least 2 "
                      f"features, got {o.qk_norm_groups}")
@@ -211,12 +242,10 @@ def _problems(a: Any, cfg: "LayersConfig") -> list[str]:
     if a.talking_heads and (o.pre_talking_heads or o.post_talking_heads):
         found.append("attn_talking_heads=True is attn_pre_talking_heads and attn_post_talking_heads together; "
                      "give one spelling")
-    if (o.output_gate or o.output_gate_headwise) and a.gate_values:
-        found.append("attn_output_gate and attn_gate_values conflict: x-transformers fuses them into one gate, "
-                     "polyformer's gate_values is AlphaFold2's; choose one")
     replaced = (f"the mixer {cfg.mixer.name!r}" if cfg.mixer is not None else
                 f"the attention kernel {a.kernel.name!r}" if a.kernel.name != "dense" else None)
     gates = [keyword(f) for f in ("gate_value_heads", "output_gate") if getattr(o, f)]
+    gates += ["attn_gate_values (as the fused gate's input)"] if a.gate_values and hybrid(a) else []
     if replaced is not None and on + gates:
         found.append(f"{' / '.join(on + gates)} act(s) on dense attention; {replaced} replaces it")
     unfused = [k for k in on if k != keyword("qk_norm")]       # qk_norm only changes q and k

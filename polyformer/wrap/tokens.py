@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..embedding import ExtraEmbeddings, TokenEmbedding
-from ..attention import z_loss
+from ..attention import hard_log_probs, z_loss
 from ..keywords import checked_keywords
 from ..memory.kv_cache import DecodeState
 from ..stack import AttentionLayers
@@ -211,9 +211,12 @@ class TransformerWrapper(SequenceWrapper):
                 sum_embeds: Tensor | None = None, return_logit_entropies: bool = False,
                 cache: WrapperRecord | None = None, recycle_steps: int | None = None,
                 return_logits_and_embeddings: bool = False, input_not_include_cache: bool | None = None,
-                return_attn_z_loss: bool = False, attn_z_loss_weight: float | None = None) -> Any:
+                return_attn_z_loss: bool = False, attn_z_loss_weight: float | None = None,
+                return_gumbel_log_probs: bool = False) -> Any:
         if return_attn_z_loss:      # (out, record with attn_z_loss): attention/z_loss.py
             return z_loss.returned(self, dict(locals()))
+        if return_gumbel_log_probs:     # (out, record with gumbel_log_probs): attention/hard_log_probs.py
+            return hard_log_probs.returned(self, self.attn_layers, dict(locals()))
         checks.token_ids(x, self.num_tokens)
         given = dict(mask=mask, global_mask=global_mask, sum_embeds=sum_embeds, embed_ids=embed_ids)
         if cache_mod.excludes(cache, input_not_include_cache, self.input_not_include_cache):

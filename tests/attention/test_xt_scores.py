@@ -69,7 +69,26 @@ X_CASES = {
     "output_gate": (dict(attn_output_gate=True), dict(output_gate=True)),
     "output_gate_headwise": (dict(attn_output_gate=True, attn_output_gate_headwise=True),
                              dict(output_gate=True, output_gate_headwise=True)),
+    # hybrid gated attention: the input and output gates fused into one
+    "hyga": (dict(attn_gate_values=True, attn_output_gate=True), dict(gate_values=True, output_gate=True)),
+    "gate_values_headwise": (dict(attn_gate_values=True, attn_gate_values_headwise=True),
+                             dict(gate_values=True, gate_values_headwise=True)),
+    "gate_values_rank": (dict(attn_gate_values=True, attn_gate_values_rank=4),
+                         dict(gate_values=True, gate_values_rank=4)),
+    "output_gate_rank_linear": (dict(attn_output_gate=True, attn_output_gate_rank=4, attn_low_rank_silu_gates=False),
+                                dict(output_gate=True, output_gate_rank=4, low_rank_silu_gates=False)),
+    "swiglu_values": (dict(attn_gate_values=True, attn_swiglu_values=True, attn_output_gate=True,
+                           attn_output_gate_headwise=True),
+                      dict(gate_values=True, swiglu_values=True, output_gate=True, output_gate_headwise=True)),
 }
+
+
+def copy_gate(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """A fused gate's projection into x-transformers' (a bias-less linear, or its LoRALinear down / up)."""
+    if isinstance(ours, torch.nn.Linear):
+        theirs.weight.copy_(ours.weight)
+    else:
+        theirs.down.weight.copy_(ours[0].weight), theirs.up.weight.copy_(ours[2].weight)
 
 
 @pytest.mark.parametrize("stack", [Decoder, Encoder], ids=["causal", "bidirectional"])
@@ -87,7 +106,9 @@ def test_equals_x_transformers_attention_with_the_same_weights(case, stack):
         if getattr(block.output, "value_heads", None) is not None:
             other.to_v_head_gate.load_state_dict(block.output.value_heads.state_dict())
         if getattr(block.output, "out_gate", None) is not None:
-            other.to_output_gate.weight.copy_(block.output.out_gate.weight)
+            copy_gate(block.output.out_gate, other.to_output_gate)
+        if getattr(block.output, "in_gate", None) is not None:
+            copy_gate(block.output.in_gate, other.to_v_gate)
     x = torch.randn(2, N, DIM, dtype=torch.float64)
     assert_close(run(block, x).out, other(x))
 
@@ -205,7 +226,13 @@ def test_z_loss_reaches_the_training_loss_with_its_weight():
     (dict(attn_talking_heads=True, attn_pre_talking_heads=True), "give one spelling"),
     (dict(attn_performer=True, attn_qk_norm=True), "act\\(s\\) on dense attention"),
     (dict(attn_flash=True, attn_softclamp_logits=True), "attn_flash=True"),
-    (dict(attn_output_gate=True, attn_gate_values=True), "choose one"),
+    (dict(attn_gate_values_rank=4), "need attn_gate_values=True"),
+    (dict(attn_output_gate_rank=4), "need\\(s\\) attn_output_gate=True"),
+    (dict(attn_swiglu_values=True), "attn_swiglu_values sets the fused gate's activation"),
+    (dict(attn_gate_values=True, attn_gate_values_rank=4, attn_gate_values_headwise=True), "choose one"),
+    (dict(attn_output_gate=True, attn_output_gate_rank=DIM), "attn_output_gate_rank must be below"),
+    (dict(attn_output_gate=True, attn_output_gate_rank=0), "attn_output_gate_rank must be an integer"),
+    (dict(attn_output_gate=True, attn_low_rank_silu_gates=False), "attn_low_rank_silu_gates=False"),
     (dict(attn_max_attend_past=-1), "attn_max_attend_past"),
     (dict(attn_max_attend_past=3, attn_window=2), "conflict"),
     (dict(attn_z_loss_weight=-1.0), "attn_z_loss_weight must be"),

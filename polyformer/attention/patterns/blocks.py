@@ -190,4 +190,7 @@ class Local2d:
         k_pos = (kr * self.w + kc).masked_fill(~inside, -1).flatten(1)
         queries = keys_at(geo, q_pos) - geo.shift
         queries = queries.masked_fill((queries < 0) | (queries >= geo.nq), -1)
-        return [Part(queries[:, None], keys_at(geo, k_pos)[:, None], rule(self.sees, geo))]
+        # only the rectangles holding one of this forward's queries: a sequence shorter than the image, or a
+        # decode step, fills few of them, and the empty ones would cost as much as full ones
+        here = (queries >= 0).any(-1).any(0).nonzero().squeeze(1)
+        return [Part(queries[:, None, here], keys_at(geo, k_pos[here])[:, None], rule(self.sees, geo))]
