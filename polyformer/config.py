@@ -142,6 +142,7 @@ class LayersConfig:
     value_residual: ValueResidualOptions | None = None   # add_value_residual: later blocks mix in the first's values
     cross_attn_tokens_dropout: float = 0.0   # training: each row keeps a random (1 - p) of its context tokens
     residual_streams: int = 1           # num_residual_streams: hyper-connections over n streams (hyper.py)
+    streams_sinkhorn: int | None = None  # hyper_conn_sinkhorn_iters: their manifold-constrained form (hyper_manifold.py)
     layerscale: LayerScaleOptions | None = None   # use_layerscale / use_adaptive_layerscale (layerscale.py)
     condition: ConditionOptions | None = None     # adaptive norms / layerscale read the forward's condition (conditioning.py)
     dyt_alpha: float = 1.0              # dynamic_tanh_init_alpha: use_dynamic_tanh's initial alpha (dyt.py)

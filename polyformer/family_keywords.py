@@ -205,6 +205,7 @@ FAMILY_KEYWORDS: dict[str, Route] = {
     # x-transformers' residual / norm / feedforward keywords (hyper.py, layerscale.py, conditioning.py, dyt.py,
     # feedforward_norm.py; wired by residual_extras.py)
     "num_residual_streams": Route("residual_streams"),
+    "hyper_conn_sinkhorn_iters": Route("streams_sinkhorn"),
     "use_layerscale": flag(layerscale=LayerScaleOptions()),
     "layerscale_init_value": Route("layerscale.init"),
     "use_adaptive_layerscale": flag(layerscale=LayerScaleOptions(adaptive=True), condition=ConditionOptions()),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import checks
 from .norm import LayerNorm
 
 
@@ -87,12 +88,15 @@ class Streams(nn.Module):
 
 def problems(cfg) -> list[str]:
     """What num_residual_streams cannot take or combine with, naming the keywords."""
-    n = cfg.residual_streams
+    n, iters = cfg.residual_streams, cfg.streams_sinkhorn
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         return [f"num_residual_streams must be an integer >= 1, got {n!r}"]
+    found = checks.whole(iters, "hyper_conn_sinkhorn_iters", optional=True)
+    if iters is not None and n == 1:
+        found.append("hyper_conn_sinkhorn_iters constrains the mixing of hyper-connections' streams: it needs "
+                     "num_residual_streams > 1")
     if n == 1:
-        return []
-    found = []
+        return found
     named = {"rezero": "use_rezero", "gru": "gate_residual", "deepnorm": "deepnorm"}
     if cfg.residual != "add":
         found.append(f"num_residual_streams={n} replaces the residual with hyper-connections; "

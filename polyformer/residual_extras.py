@@ -14,6 +14,7 @@ from .registry import NORM
 from .conditioning import Conditioning, _Adaptive
 from .dyt import DynamicTanh
 from .hyper import HyperConnection, StreamRead, Streams
+from .hyper_manifold import ManifoldHyperConnection
 
 if TYPE_CHECKING:
     from .stack import AttentionLayers
@@ -38,7 +39,8 @@ def setup(stack: "AttentionLayers") -> None:
     stack.streams = Streams(cfg.residual_streams) if cfg.residual_streams > 1 else None
     for block in stack.blocks:
         if stack.streams is not None:
-            connection = HyperConnection(cfg.dim, cfg.residual_streams, block.index)
+            connection = (HyperConnection(cfg.dim, cfg.residual_streams, block.index) if cfg.streams_sinkhorn is None
+                          else ManifoldHyperConnection(cfg.dim, cfg.residual_streams, cfg.streams_sinkhorn))
             block.combine = connection
             block.norm_in = StreamRead(connection, block.norm_in)
         if cfg.layerscale is not None and cfg.layerscale.adaptive:

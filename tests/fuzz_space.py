@@ -171,6 +171,7 @@ LAYER_SPACE: dict[str, st.SearchStrategy] = {
     # norm, residual and feedforward (hyper.py, layerscale.py, dyt.py, residual_scale.py,
     # resi_dual.py, feedforward_norm.py)
     "num_residual_streams": sometimes([2, 4, 0], 20),
+    "hyper_conn_sinkhorn_iters": sometimes([3, 0], 24),
     "use_layerscale": sometimes(TRUE, 18),
     "layerscale_init_value": sometimes([0.1, 1.0], 26),
     "use_dynamic_tanh": sometimes(TRUE, 20),
@@ -241,7 +242,7 @@ NEEDS = {"attn_qk_norm_groups": "attn_qk_norm", "attn_qk_norm_scale": "attn_qk_n
          "layerscale_init_value": "use_layerscale", "dynamic_tanh_init_alpha": "use_dynamic_tanh",
          "scale_residual_constant": "scale_residual", "resi_dual_scale": "resi_dual",
          "learned_reinject_input_gate": "reinject_input", "learned_value_residual_mix": "add_value_residual",
-         "mixture_of_softmax_k": "mixture_of_softmax", "memory_tokens_interspersed_every": "num_memory_tokens"}
+         "mixture_of_softmax_k": "mixture_of_softmax", "hyper_conn_sinkhorn_iters": "num_residual_streams", "memory_tokens_interspersed_every": "num_memory_tokens"}
 # keywords that are the same option under two spellings
 ALIASES = {"alibi_pos_bias": "alibi_pos_emb", "attn_gate_values": "gate_values", "attn_one_kv_head": "attn_kv_heads"}
 

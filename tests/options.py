@@ -215,6 +215,7 @@ KERNEL_OPTIONS: dict[str, dict] = {
     # the adaptive norms need the forward's condition: their decode / causality tests are in tests/test_xt_residual.py
     "num_residual_streams": dict(num_residual_streams=3, rotary_pos_emb=True, shift_tokens=1, attn_num_mem_kv=2,
                                  num_memory_tokens=2),
+    "hyper_conn_sinkhorn_iters": dict(num_residual_streams=3, hyper_conn_sinkhorn_iters=5, rotary_pos_emb=True),
     "use_layerscale": dict(use_layerscale=True, layerscale_init_value=0.1, sandwich_norm=True, attn_kv_heads=2),
     "use_dynamic_tanh": dict(use_dynamic_tanh=True, dynamic_tanh_init_alpha=0.5, pre_norm_has_final_norm=False),
     "ff_post_act_ln": dict(ff_post_act_ln=True, ff_glu=True, ff_chunks=2, rotary_pos_emb=True),

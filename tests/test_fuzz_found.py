@@ -100,3 +100,14 @@ def test_scalar_parameters_accept_only_a_single_value():
     assert float(model.state_dict()[key]) == 0.5
     with pytest.raises(RuntimeError, match=f"size mismatch for {re.escape(key)}"):
         model.load_state_dict({**sd, key: torch.tensor([0.5, 0.5])})
+
+
+def test_hard_attention_over_an_empty_context_gives_zeros():
+    """Found by the fuzzer: attn_hard's argmax over a cross-attention context of length 0 raised IndexError."""
+    torch.manual_seed(0)
+    model = ContinuousTransformerWrapper(dim_in=4, dim_out=4, max_seq_len=8, attn_layers=Decoder(
+        dim=16, depth=1, heads=1, cross_attend=True, attn_hard=True))
+    x, context = torch.randn(2, 3, 4), torch.randn(2, 0, 16)
+    out = model(x, context=context)
+    assert out.isfinite().all()
+    out.sum().backward()

@@ -17,6 +17,7 @@ from polyformer.conditioning import AdaptiveLayerNorm, AdaptiveRMSNorm, Conditio
 from polyformer.dyt import DynamicTanh
 from polyformer.feedforward_norm import NormedFeedForward, SoLU, build
 from polyformer.hyper import HyperConnection
+from polyformer.hyper_manifold import ManifoldHyperConnection, sinkhorn_knopp
 from polyformer.config import FeedForwardConfig
 from tests.options import perturb
 
@@ -79,6 +80,77 @@ def test_hyper_connections_refuse_what_they_replace():
         Encoder(**SMALL, num_residual_streams=2, pre_norm=False)
     with pytest.raises(ValueError, match="universal=True"):
         Decoder(**SMALL, num_residual_streams=2, universal=True)
+
+
+# --- manifold-constrained hyper-connections --------------------------------------------------------
+
+def test_manifold_hyper_connection_is_the_papers_formula():
+    """mHC (arXiv:2512.24880): H_pre = sigmoid, H_post = 2 sigmoid, H_res = Sinkhorn-Knopp of the dynamic
+    logits from the RMS-normalised flattened streams, written out here stream by stream."""
+    torch.manual_seed(0)
+    n, t = 3, 7
+    mhc = perturb(ManifoldHyperConnection(DIM, n, iters=t), scale=0.3).double()
+    h = torch.randn(2, 5, n, DIM, dtype=torch.float64)
+    y = torch.randn(2, 5, DIM, dtype=torch.float64)
+    flat = h.flatten(-2)
+    x = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-5) * mhc.norm.weight
+    z = x @ mhc.dynamic
+    a = mhc.scale
+    pre = torch.sigmoid(a[0] * z[..., :n] + mhc.bias_pre)
+    post = 2 * torch.sigmoid(a[1] * z[..., n:2 * n] + mhc.bias_post)
+    m = torch.exp(a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + mhc.bias_res)
+    for _ in range(t):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    h0 = sum(pre[..., s, None] * h[:, :, s] for s in range(n))
+    new = torch.stack([post[..., s, None] * y + sum(m[..., s, u, None] * h[:, :, u] for u in range(n))
+                       for s in range(n)], dim=2)
+    assert_close(mhc.read(h), h0)
+    assert_close(mhc(h, y), new)
+
+
+def test_manifold_mixing_is_doubly_stochastic_and_carries_the_streams_sum():
+    """H_res >= 0 with columns summing to 1 exactly, so the carried streams sum to the input streams' sum
+    whatever the learned logits (even logits in the hundreds: the projection runs in log space); rows sum to 1
+    within Sinkhorn's error after 20 iterations for logits of a few units (far larger ones converge slowly, as
+    the mHC-lite paper, arXiv:2601.05732, measures); the gates stay in (0, 1) and (0, 2). Plain
+    hyper-connections' A_r carries no such bound."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, 4, DIM, dtype=torch.float64) * 3
+    for scale in (0.3, 2.0):
+        mhc = perturb(ManifoldHyperConnection(DIM, 4, iters=20), scale=scale).double()
+        pre, post, res = mhc.logits(h)
+        mix = sinkhorn_knopp(res, 20)
+        assert (mix >= 0).all() and mix.isfinite().all()
+        assert_close(mix.sum(-2), torch.ones(2, 5, 4, dtype=torch.float64))
+        assert_close(mhc(h, torch.zeros(2, 5, DIM, dtype=torch.float64)).sum(2), h.sum(2))
+        if scale < 1:
+            assert res.abs().max() < 10
+            assert (torch.sigmoid(pre) < 1).all() and (2 * torch.sigmoid(post) < 2).all()
+            assert_close(mix.sum(-1), torch.ones(2, 5, 4, dtype=torch.float64), atol=1e-3, rtol=0)
+
+
+def test_manifold_hyper_connections_start_as_the_residual_stream():
+    """At initialisation (W = 0, b = 0) each stream is x + F(norm(x)): the stack equals the plain pre-norm stack
+    with the same blocks; learned connections move it away."""
+    torch.manual_seed(0)
+    plain = perturb(Decoder(**SMALL, rotary_pos_emb=True))
+    mhc = Decoder(**SMALL, rotary_pos_emb=True, num_residual_streams=4, hyper_conn_sinkhorn_iters=5)
+    moved = {k.replace(".norm_in.", ".norm_in.norm."): v for k, v in plain.state_dict().items()}
+    missing, unexpected = mhc.load_state_dict(moved, strict=False)
+    assert not unexpected and all(".combine." in k for k in missing)
+    assert all(isinstance(b.combine, ManifoldHyperConnection) for b in mhc.blocks)
+    x = stream()
+    assert_close(mhc(x), plain(x), atol=1e-4, rtol=1e-4)
+    perturb(mhc, seed=3)
+    assert not torch.allclose(mhc(x), plain(x), atol=1e-3)
+
+
+def test_manifold_hyper_connections_are_refused_by_name():
+    with pytest.raises(ValueError, match="hyper_conn_sinkhorn_iters .* needs num_residual_streams > 1"):
+        Decoder(**SMALL, hyper_conn_sinkhorn_iters=5)
+    with pytest.raises(ValueError, match="hyper_conn_sinkhorn_iters must be an integer >= 1"):
+        Decoder(**SMALL, num_residual_streams=2, hyper_conn_sinkhorn_iters=0)
 
 
 # --- LayerScale ------------------------------------------------------------------------------------

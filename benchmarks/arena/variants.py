@@ -129,7 +129,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("local_2d", "the sequence as 128-wide raster rows: 8 x 16 query blocks, 8 rows / 16 columns memory",
             "arXiv:1802.05751", layers=dict(rotary_pos_emb=True, attn_local_2d=dict(image=(128, 128), query=(8, 16),
                                                                                    memory=(8, 16))),
-            tasks=("efficiency",)),
+            tasks=SPARSE),
     Variant("longnet", "LongNet dilated attention: (w, r) = (128, 1), (512, 2), (2048, 4), (8192, 8)",
             "arXiv:2307.02486", layers=dict(rotary_pos_emb=True, attn_dilated=((128, 1), (512, 2), (2048, 4),
                                                                                (8192, 8))), tasks=SPARSE),

@@ -48,6 +48,8 @@ def gumbel_noise(like: Tensor) -> Tensor:
 
 def one_hot_straight(soft: Tensor, scores: Tensor, mask: Tensor | None) -> Tensor:
     """onehot(argmax scores) among the kept keys in the forward, `soft`'s gradient in the backward."""
+    if scores.shape[-1] == 0:               # no key at all (an empty context): no weight to place
+        return soft
     index = fill_masked(scores, mask).argmax(dim=-1, keepdim=True)
     hot = zero_masked(torch.zeros_like(soft).scatter(-1, index, 1.0), mask)
     return hot + (soft - soft.detach())      # exactly one-hot: the bracket is zero

@@ -37,6 +37,8 @@ def check(owner: str, stack: "AttentionLayers") -> list[nn.Module]:
 def log_prob_of_pick(scores: Tensor, mask: Tensor | None, weights: Tensor) -> Tensor:
     """log softmax(scores) at each row's largest weight (b, h, i); 0 for a row that may see no key."""
     s = upcast(scores)
+    if s.shape[-1] == 0:                    # no key at all (an empty context): nothing picked
+        return s.new_zeros(s.shape[:-1])
     log_probs = torch.log_softmax(fill_masked(s, mask), dim=-1)
     picked = log_probs.gather(-1, weights.argmax(dim=-1, keepdim=True)).squeeze(-1)
     if mask is None:
