@@ -287,6 +287,9 @@ def write_keys(attn: nn.Module, h: Tensor, ctx: Context) -> None:
     keys would be; nothing else of the block runs."""
     p = attn.project
     src = self_source(h, ctx, attn.layer)
+    if ctx.state.keeps_latents:             # multi-latent inputs, rotated when read (attention/latent.py)
+        ctx.state.attend(attn.layer, p.latent(src))
+        return
     if type(getattr(p, "to_qkv", None)) is nn.Linear and p.infusion is None and p.mixing is None and not p.shared_qk:
         q_out, k_out, v_out = p.split
         bias = p.to_qkv.bias[q_out:] if p.to_qkv.bias is not None else None

@@ -200,6 +200,10 @@ class AttentionLayers(nn.Module):
         first = next((a for a, kind in zip(attention, kinds) if kind == "keys"), None)
         # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
         heads = first.decode_dims if first is not None else (1, 1, 1, 1)
+        keyed = [a for a, kind in zip(attention, kinds) if kind == "keys"]
+        widths = {a.project.latent_width if getattr(a, "latent_capable", False) else None for a in keyed}
+        if keyed and None not in widths and len(widths) == 1 and self.hourglass is None:
+            heads = (1, widths.pop(), 1, 0)         # multi-latent inputs, not keys (attention/latent.py)
         param = next(self.parameters())
         if self.hourglass is not None:      # a state per resolution (memory/hourglass_state.py)
             return self.hourglass.new_state(self, batch, max_len, heads, dtype or param.dtype, device or param.device,

@@ -203,3 +203,25 @@ def test_calibrated_threshold_keeps_held_out_prompts_consistent():
     early = generate(net, held_out, 8, threshold=result.threshold)
     assert (early.tokens != full).float().mean() <= epsilon
     assert early.mean_layers < DEPTH - 1
+
+
+def test_a_token_that_exits_writes_multi_latent_inputs_for_the_blocks_it_skips():
+    """With a multi-latent stack the state keeps latents: a skipped block's row holds the latent of the exit
+    stream (write_keys), which the next step up-projects and rotates as it would the block's own keys."""
+    from polyformer.early_exit import write_keys
+    from polyformer.interfaces import KV, Context
+    from polyformer.memory.kv_cache import DecodeState
+
+    net = model(attn_use_latent_kv=True, attn_dim_latent_kv=6, attn_latent_rope_subheads=1)
+    latent_state = net.new_state(1, 4)
+    assert latent_state.keeps_latents
+    attn = net.attn_layers.blocks[0].branch
+    keys_state = DecodeState(1, 1, 4, *attn.decode_dims)
+    h, pos = torch.randn(1, 3, 32), torch.arange(3)[None]
+    for state in (latent_state, keys_state):
+        state.begin(pos, None)
+        write_keys(attn, h, Context(pos=pos, causal=True, state=state))
+    read = attn.project.expand(KV(latent_state.k[0, :, :, :3], latent_state.v[0, :, :, :3], pos, None))
+    _, rotated = attn.position(read.k, read.k, pos, pos)
+    assert_close(rotated, keys_state.k[0, :, :, :3])
+    assert_close(read.v, keys_state.v[0, :, :, :3])

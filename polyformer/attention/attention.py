@@ -82,14 +82,26 @@ class Attention(nn.Module):
         return "recurrent" if self.kernel.caps.decode == "recurrent" else "keys"
 
     @property
+    def latent_capable(self) -> bool:
+        """Whether a decode state may keep this block's multi-latent inputs instead of its keys (latent.py):
+        nothing else of the block needs the cached keys themselves."""
+        return (getattr(self.project, "latent_width", None) is not None and not self.cross and not self.direct
+                and self.decode_kind == "keys" and self.decode_window is None and self.forget is None
+                and self.value_residual is None and self.knn is None)
+
+    @property
     def decode_dims(self) -> tuple[int, int, int, int]:
         """(key heads, key size, value heads, value size) of what a "keys" decode state stores."""
         extra = self.forget.columns if self.forget is not None else 0     # its gate terms ride with the keys
         return self.project.kv_heads, self.project.qk_dim + extra, self.project.v_heads, self.project.dim_head
 
     def forward(self, x: Tensor, ctx: Context, prev_scores: Tensor | None = None) -> AttnOut:
+        latent = ctx.state is not None and not self.cross and ctx.state.keeps_latents
         if self.cross:
             q, kv = self.project.queries(x), self.context_kv(ctx)
+        elif latent:        # the state keeps multi-latent inputs: every cached one up-projected (latent.py)
+            q = self.project.queries(x)
+            kv = self.project.expand(ctx.state.attend(self.layer, self.project.latent(self_source(x, ctx, self.layer))))
         else:
             q, kv = self.project(x, self_source(x, ctx, self.layer), ctx.pos)   # q (b, h, i, d)
         if self.value_residual is not None:
@@ -100,7 +112,7 @@ class Attention(nn.Module):
         memory = forget_bias = None
         if self.forget is not None:                               # attn_data_dependent_alibi (forgetting.py)
             kv, forget_bias = self.forget(kv, x, ctx, self.layer)   # writes the decode state itself
-        elif ctx.state is not None and not self.cross:
+        elif ctx.state is not None and not self.cross and not latent:
             if self.kernel.caps.decode == "recurrent":
                 memory = ctx.state.recurrent(self.layer)          # a fixed-size summary of earlier keys
             else:

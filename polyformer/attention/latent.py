@@ -5,10 +5,12 @@ keys k = W_uk c_kv and values v = W_uv c_kv; with x-transformers' form of the de
 the last r heads of queries and keys are rotated (the rotary's rotate_num_heads), so the latent heads
 carry no position.
 
-A decode state keeps the up-projected (rotated) keys and values: exact, and the same storage as plain
-attention. A latent cache would keep c_kv and the r rotated heads instead: dim_kv + r * dim_head numbers
-per token and block rather than 2 * kv_heads * dim_head, at the price of up-projecting every cached
-latent at each step (or absorbing W_uk into the queries, which the rotated latent-free heads allow).
+A decode state keeps what MLA is for: the latent c_kv and the r decoupled key heads before rotation,
+dim_kv + r * dim_head numbers per token and block instead of 2 * kv_heads * dim_head (`latent` packs them
+into the state's key rows, its value rows left empty; `expand` up-projects every cached latent at each step,
+and the block rotates the keys by their cached positions, as x-transformers does). The stack keeps the full
+keys instead when a block needs them cached (a pattern's ring, the Forgetting Transformer's gate terms, a
+value residual, a kNN memory, an hourglass: `Attention.latent_capable`); both give the same outputs.
 """
 
 from __future__ import annotations
@@ -144,13 +146,36 @@ class LatentProjection(nn.Module):
         c = self.to_latent_q(x) if self.to_latent_q is not None else x          # (b, i, dim_q)
         return rearrange(self.to_q(c), "b n (h d) -> b h n d", h=self.heads)
 
+    @property
+    def latent_width(self) -> int | None:
+        """Numbers per token of what a latent decode state keeps (c_kv and the rope heads), or None without a
+        key / value latent."""
+        return None if self.to_latent_kv is None else self.to_latent_kv.out_features + self.rope_heads * self.dim_head
+
     def keys_values(self, src: Source) -> KV:
-        c = self.to_latent_kv(src.x) if self.to_latent_kv is not None else src.x    # (b, j, dim_kv)
+        if self.to_latent_kv is not None:
+            return self.expand(self.latent(src))
+        c = src.x
+        k = rearrange(self.to_k(c), "b n (h d) -> b h n d", d=self.dim_head)
+        return KV(k=k, v=rearrange(self.to_v(c), "b n (h d) -> b h n d", h=self.kv_heads), pos=src.pos, mask=src.mask)
+
+    def latent(self, src: Source) -> KV:
+        """The source's latent c_kv and unrotated rope heads packed as one key head (b, 1, j, latent_width),
+        with empty values (b, 1, j, 0): the rows a latent decode state stores."""
+        parts = [self.to_latent_kv(src.x)]
+        if self.to_rope_k is not None:          # the decoupled heads: from the input, not the latent
+            parts.append(self.to_rope_k(src.x))
+        packed = torch.cat(parts, dim=-1)[:, None]
+        return KV(k=packed, v=packed.new_zeros(*packed.shape[:-1], 0), pos=src.pos, mask=src.mask)
+
+    def expand(self, kv: KV) -> KV:
+        """Packed latents (b, 1, j, latent_width) -> keys (b, hk, j, d) and values (b, hv, j, d)."""
+        c, rope = kv.k[:, 0].split((self.to_latent_kv.out_features, self.rope_heads * self.dim_head), dim=-1)
         v = rearrange(self.to_v(c), "b n (h d) -> b h n d", h=self.kv_heads)
         heads = []
         if self.to_k is not None:
             heads.append(rearrange(self.to_k(c), "b n (h d) -> b h n d", d=self.dim_head))
-        if self.to_rope_k is not None:          # the decoupled heads: from the input, not the latent
-            heads.append(rearrange(self.to_rope_k(src.x), "b n (h d) -> b h n d", h=self.rope_heads))
+        if self.rope_heads:
+            heads.append(rearrange(rope, "b n (h d) -> b h n d", h=self.rope_heads))
         k = heads[0] if len(heads) == 1 else torch.cat(heads, dim=1)            # (b, hk, j, d)
-        return KV(k=k, v=v, pos=src.pos, mask=src.mask)
+        return KV(k=k, v=v, pos=kv.pos, mask=kv.mask)

@@ -80,6 +80,12 @@ class DecodeState:
         return {layer: row for row, layer in enumerate(keyed)}
 
     @property
+    def keeps_latents(self) -> bool:
+        """Whether the key rows hold multi-latent attention's packed inputs (one head, no values) rather than
+        keys (attention/latent.py; `AttentionLayers.new_state` chooses)."""
+        return self.v.shape[-1] == 0
+
+    @property
     def layers(self) -> int:
         return len(self.kinds)
 

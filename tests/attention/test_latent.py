@@ -179,3 +179,39 @@ def test_json_round_trip_keeps_the_latents():
     cfg = Decoder(dim=DIM, depth=1, heads=HEADS, **LATENTS, attn_latent_rope_subheads=2, rotary_pos_emb=True).cfg
     assert from_dict(LayersConfig, to_dict(cfg)) == cfg
     assert cfg.attention.latent.dim_kv == 6 and cfg.attention.latent.rope_subheads == 2
+
+
+@pytest.mark.parametrize("keywords", [dict(attn_latent_rope_subheads=2, rotary_pos_emb=True),
+                                      dict(rotary_pos_emb=True), dict(attn_kv_heads=2)],
+                         ids=["decoupled_rope", "rotary_all_heads", "gqa"])
+def test_the_decode_state_keeps_the_latents_and_decodes_as_the_full_forward(keywords):
+    """MLA's point: the cache holds c_kv and the unrotated rope heads, dim_kv + r * d numbers per token and layer
+    (here 6 + 2 * 8 = 22, or 6) instead of 2 * kv_heads * d (64, or 32); a prompt then one-token steps give the
+    full forward's logits, the rope heads rotated by their cached positions."""
+    from polyformer import TransformerWrapper
+
+    torch.manual_seed(0)
+    model = perturb(TransformerWrapper(num_tokens=32, max_seq_len=32, attn_layers=Decoder(
+        dim=DIM, depth=2, heads=HEADS, attn_dim_head=DIM_HEAD, **LATENTS, **keywords)))
+    x = torch.randint(0, 32, (2, 12))
+    state = model.new_state(2, 12)
+    assert state.keeps_latents
+    rope = keywords.get("attn_latent_rope_subheads", 0)
+    assert state.k.shape == (2, 2, 1, 12, 6 + rope * DIM_HEAD) and state.v.shape[-1] == 0
+    steps = [model(x[:, :5], state=state)] + [model(x[:, t: t + 1], state=state) for t in range(5, 12)]
+    assert_close(torch.cat(steps, dim=1), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_that_needs_its_cached_keys_keeps_keys():
+    """A value residual mixes in the first block's cached values: the state keeps keys and values then, with
+    the same outputs."""
+    from polyformer import TransformerWrapper
+
+    torch.manual_seed(0)
+    model = perturb(TransformerWrapper(num_tokens=32, max_seq_len=32, attn_layers=Decoder(
+        dim=DIM, depth=2, heads=HEADS, attn_dim_head=DIM_HEAD, add_value_residual=True, **LATENTS)))
+    state = model.new_state(1, 8)
+    assert not state.keeps_latents and state.k.shape[2:] == (HEADS, 8, DIM_HEAD)
+    x = torch.randint(0, 32, (1, 8))
+    steps = [model(x[:, :3], state=state)] + [model(x[:, t: t + 1], state=state) for t in range(3, 8)]
+    assert_close(torch.cat(steps, dim=1), model(x), atol=1e-5, rtol=1e-5)
