@@ -227,7 +227,8 @@ def test_add_attn_z_loss_adds_the_weighted_loss():
 def test_z_loss_refusals():
     with pytest.raises(ValueError, match="attn_z_loss_weight must be a number"):
         TransformerWrapper(num_tokens=20, max_seq_len=16, attn_layers=Decoder(**SMALL), attn_z_loss_weight=-1)
-    with pytest.raises(ValueError, match="z-loss needs every attention block's score matrix"):
+    with pytest.raises(ValueError, match="add_attn_z_loss\\) needs every attention block's score matrix; "
+                                         "attn_linear forms none"):
         AutoregressiveWrapper(lm(attn_linear="elu"), add_attn_z_loss=True)
     with pytest.raises(ValueError, match="add_attn_z_loss cannot combine with exit_layers"):
         AutoregressiveWrapper(lm(exit_layers=True), add_attn_z_loss=True)

@@ -17,6 +17,7 @@ from .. import checks
 from ..losses import AuxLosses, forward_with_losses
 from .attention import Attention
 from .kernels.dense import DenseKernel
+from .kernels.direct import switch
 from .scoring import LOSS, ScoreStage, z_loss
 
 if TYPE_CHECKING:
@@ -57,8 +58,12 @@ def _normalizers(stack: "AttentionLayers") -> list[tuple[DenseKernel, nn.Module]
         attn = block.branch
         kernel = getattr(attn, "kernel", None)
         if not isinstance(attn, Attention) or not isinstance(kernel, DenseKernel):
-            what = type(attn).__name__ if not isinstance(attn, Attention) else type(kernel).__name__
-            raise ValueError(f"the attention z-loss needs every attention block's score matrix; {what} forms none")
+            cfg = stack.cfg
+            what = (switch("mixer.", cfg.mixer.name) if cfg.mixer is not None and not isinstance(attn, Attention)
+                    else switch("attention.kernel.", attn.cfg_kernel) if isinstance(attn, Attention)
+                    else type(attn).__name__)
+            raise ValueError(f"the attention z-loss (attn_z_loss_weight / return_attn_z_loss / add_attn_z_loss) needs "
+                             f"every attention block's score matrix; {what} forms none")
         normalize = kernel.normalize
         if isinstance(normalize, ScoreStage):
             if normalize.z_weight > 0:

@@ -190,7 +190,10 @@ class Local2d:
         k_pos = (kr * self.w + kc).masked_fill(~inside, -1).flatten(1)
         queries = keys_at(geo, q_pos) - geo.shift
         queries = queries.masked_fill((queries < 0) | (queries >= geo.nq), -1)
-        # only the rectangles holding one of this forward's queries: a sequence shorter than the image, or a
-        # decode step, fills few of them, and the empty ones would cost as much as full ones
+        # only the rectangles holding one of this forward's queries, and only the query / key slots one of them
+        # fills: a sequence of a few image rows, or a decode step, uses few rectangles and few of their memory's
+        # rows, and empty slots cost as much as full ones
         here = (queries >= 0).any(-1).any(0).nonzero().squeeze(1)
-        return [Part(queries[:, None, here], keys_at(geo, k_pos[here])[:, None], rule(self.sees, geo))]
+        queries, keys = queries[:, here], keys_at(geo, k_pos[here])        # (z, G', Q), (z, G', K)
+        q_used, k_used = ((t >= 0).any(1).any(0).nonzero().squeeze(1) for t in (queries, keys))
+        return [Part(queries[:, None][..., q_used], keys[:, None][..., k_used], rule(self.sees, geo))]

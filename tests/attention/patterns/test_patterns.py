@@ -170,5 +170,7 @@ def test_local_2d_computes_only_the_rectangles_holding_a_query(causal):
 
     pos = torch.arange(32)[None]                  # two raster rows: the first row of 4 x 4 rectangles
     assert groups(pos, pos) == 4
+    (part,) = stage.parts(stage.geometry(pos, pos, None, None))
+    assert part.queries.shape[-1] == 2 * 4 and part.keys.shape[-1] == 2 * 12     # two rows of each: no empty slots
     assert groups(torch.arange(256)[None], torch.arange(256)[None]) == 16
     assert groups(torch.tensor([[200]]), torch.arange(201)[None]) == 1      # a decode step at row 12, column 8
