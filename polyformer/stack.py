@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import checks, deepnet, early_exit, per_layer, residual_extras, reversible, rules, stack_policies, universal
 from . import attn_mask as attn_masks
-from .attention import hard_log_probs, knn_memory
+from .attention import hard_log_probs, knn_memory, latent
 from .attention.attention import Attention
 from .block import Block
 from .position import relative
@@ -197,13 +197,11 @@ class AttentionLayers(nn.Module):
         attention = [b.branch for b in self.blocks if b.kind == "a"]
         kinds = tuple(a.decode_kind for a in attention) * (self.universal.steps if self.universal is not None else 1)
         kinds = self.loop.kinds(kinds) if self.loop is not None else kinds     # one per run (stack_order.py)
-        first = next((a for a, kind in zip(attention, kinds) if kind == "keys"), None)
-        # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
-        heads = first.decode_dims if first is not None else (1, 1, 1, 1)
         keyed = [a for a, kind in zip(attention, kinds) if kind == "keys"]
-        widths = {a.project.latent_width if getattr(a, "latent_capable", False) else None for a in keyed}
-        if keyed and None not in widths and len(widths) == 1 and self.hourglass is None:
-            heads = (1, widths.pop(), 1, 0)         # multi-latent inputs, not keys (attention/latent.py)
+        # no block keeping keys (custom_layers "f", "cf"; recurrent kernels): nothing but positions, shifts, context
+        heads = keyed[0].decode_dims if keyed else (1, 1, 1, 1)
+        if self.hourglass is None:          # multi-latent inputs rather than keys, where every block allows
+            heads = latent.state_dims(keyed) or heads
         param = next(self.parameters())
         if self.hourglass is not None:      # a state per resolution (memory/hourglass_state.py)
             return self.hourglass.new_state(self, batch, max_len, heads, dtype or param.dtype, device or param.device,

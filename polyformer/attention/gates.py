@@ -16,10 +16,48 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..config import AttentionConfig
 from . import head_scale
 from .mixing import Output
-from .score_options import ScoreOptions, hybrid
+from .score_options import ScoreOptions
+
+
+def hybrid(a: AttentionConfig) -> bool:
+    """Whether an attention config asks for the fused gate (so its gate_values is that gate's input gate, not
+    AlphaFold2's)."""
+    o = a.scores
+    return o is not None and (o.output_gate or (a.gate_values and (
+        o.gate_values_rank is not None or o.gate_values_headwise or o.swiglu_values)))
+
+
+def problems(a: AttentionConfig, dim: int) -> list[str]:
+    """What the fused gate's options cannot be (scoring's checks call this): each needs its gate; a low-rank gate's rank is below
+    its input or output width, and is not headwise (x-transformers' rules)."""
+    o, found = a.scores, []
+    inner = a.heads * a.dim_head
+    if not a.gate_values and (o.gate_values_headwise or o.gate_values_rank is not None):
+        found.append("attn_gate_values_headwise / attn_gate_values_rank shape the input gate: they need "
+                     "attn_gate_values=True")
+    if o.swiglu_values and not (a.gate_values or o.output_gate):
+        found.append("attn_swiglu_values sets the fused gate's activation: it needs attn_gate_values=True or "
+                     "attn_output_gate=True")
+    if not o.low_rank_silu_gates and o.gate_values_rank is None and o.output_gate_rank is None:
+        found.append("attn_low_rank_silu_gates=False changes a low-rank gate: it needs attn_gate_values_rank or "
+                     "attn_output_gate_rank")
+    for name, rank, headwise, width_in in (("gate_values", o.gate_values_rank, o.gate_values_headwise, dim),
+                                           ("output_gate", o.output_gate_rank, o.output_gate_headwise, inner)):
+        if rank is None:
+            continue
+        if wrong := checks.whole(rank, f"attn_{name}_rank"):
+            found += wrong
+        elif headwise:
+            found.append(f"attn_{name}_rank and attn_{name}_headwise conflict: a headwise gate projects straight "
+                         "to one logit per head; choose one")
+        elif rank >= max(width_in, inner):
+            found.append(f"attn_{name}_rank must be below the gate's input ({width_in}) or output ({inner}) width "
+                         f"to be low rank, got {rank}")
+    return found
 
 
 def projection(dim_in: int, dim_out: int, rank: int | None, silu: bool) -> nn.Module:

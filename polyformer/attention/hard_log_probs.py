@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..precision import upcast
 from .hard_attention import GumbelSoftmax, HardMax
 from .normalize import fill_masked
+from .taps import recorded, tapped
 
 if TYPE_CHECKING:
     from ..stack import AttentionLayers
@@ -49,17 +50,12 @@ def log_prob_of_pick(scores: Tensor, mask: Tensor | None, weights: Tensor) -> Te
 def returned(owner: nn.Module, stack: "AttentionLayers", args: dict[str, Any]) -> tuple[Any, Any]:
     """owner.forward(**args) with the picks' log-probabilities asked for: (output, its record with
     `gumbel_log_probs`, one (b, h, i) tensor per picking block)."""
-    args = {k: v for k, v in args.items() if k not in ("self", "return_gumbel_log_probs", "__class__")}
     found: list[Tensor] = []
 
     def report(module: nn.Module, inputs: tuple[Tensor, Tensor | None], weights: Tensor) -> None:
         found.append(log_prob_of_pick(*inputs, weights))
 
-    handles = [m.register_forward_hook(report) for m in check(type(owner).__name__, stack)]
-    try:
-        out, record = owner.forward(**{**args, "return_intermediates": True})
-    finally:
-        for handle in handles:
-            handle.remove()
+    with tapped(check(type(owner).__name__, stack), report):
+        out, record = owner.forward(**recorded(args, "return_gumbel_log_probs"))
     record.gumbel_log_probs = found
     return out, record

@@ -99,6 +99,13 @@ def _attention_problems(a: "AttentionConfig", cfg: "LayersConfig") -> list[str]:
     return found
 
 
+def state_dims(keyed: list[nn.Module]) -> tuple[int, int, int, int] | None:
+    """The decode-state dims (1, latent_width, 1, 0) when every block keeping keys may keep its multi-latent
+    inputs instead (`Attention.latent_capable`, one width for all), else None: the state keeps keys."""
+    widths = {a.project.latent_width if getattr(a, "latent_capable", False) else None for a in keyed}
+    return (1, widths.pop(), 1, 0) if keyed and len(widths) == 1 and None not in widths else None
+
+
 def used(cfg: "AttentionConfig") -> bool:
     """Whether the block's queries or keys / values go through a latent (attn_use_latent_q / _kv)."""
     return cfg.latent is not None and (cfg.latent.use_q is True or cfg.latent.use_kv is True)

@@ -35,14 +35,6 @@ class ScoreOptions:
     low_rank_silu_gates: bool = True    # a SiLU between a low-rank gate's two maps
 
 
-def hybrid(a: Any) -> bool:
-    """Whether an attention config asks for the fused gate of gates.py (so its gate_values is that gate's input
-    gate, not AlphaFold2's)."""
-    o = a.scores
-    return o is not None and (o.output_gate or (a.gate_values and (
-        o.gate_values_rank is not None or o.gate_values_headwise or o.swiglu_values)))
-
-
 @dataclass(frozen=True)
 class ScoreRoute(Route):
     """Writes a field of `ScoreOptions` (`path` is "attention.scores.<field>"), and the options themselves, so

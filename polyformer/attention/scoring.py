@@ -28,7 +28,8 @@ from .hard_attention import keyword as normalizer_keyword
 from . import topk_straight
 from .mixing import TalkingHeads
 from .normalize import fill_masked, zero_masked
-from .score_options import ScoreOptions, hybrid
+from .gates import hybrid, problems as gate_problems
+from .score_options import ScoreOptions
 
 if TYPE_CHECKING:
     from ..config import AttentionConfig, LayersConfig
@@ -159,35 +160,6 @@ SWITCHES = {"qk_norm": ("qk_norm_groups", "qk_norm_scale", "qk_norm_dim_scale"),
             "softclamp": ("softclamp_value",), "output_gate": ("output_gate_headwise", "output_gate_rank")}
 SCORE_FIELDS = ("qk_norm", "sigmoid", "softclamp", "head_sink", "zero_kv", "pre_talking_heads",
                 "post_talking_heads", "z_loss_weight")     # what needs the dense kernel's score matrix
-
-
-def gate_problems(a: Any, dim: int) -> list[str]:
-    """What the fused gate's options (gates.py) cannot be: each needs its gate; a low-rank gate's rank is below
-    its input or output width, and is not headwise (x-transformers' rules)."""
-    o, found = a.scores, []
-    inner = a.heads * a.dim_head
-    if not a.gate_values and (o.gate_values_headwise or o.gate_values_rank is not None):
-        found.append("attn_gate_values_headwise / attn_gate_values_rank shape the input gate: they need "
-                     "attn_gate_values=True")
-    if o.swiglu_values and not (a.gate_values or o.output_gate):
-        found.append("attn_swiglu_values sets the fused gate's activation: it needs attn_gate_values=True or "
-                     "attn_output_gate=True")
-    if not o.low_rank_silu_gates and o.gate_values_rank is None and o.output_gate_rank is None:
-        found.append("attn_low_rank_silu_gates=False changes a low-rank gate: it needs attn_gate_values_rank or "
-                     "attn_output_gate_rank")
-    for name, rank, headwise, width_in in (("gate_values", o.gate_values_rank, o.gate_values_headwise, dim),
-                                           ("output_gate", o.output_gate_rank, o.output_gate_headwise, inner)):
-        if rank is None:
-            continue
-        if wrong := checks.whole(rank, f"attn_{name}_rank"):
-            found += wrong
-        elif headwise:
-            found.append(f"attn_{name}_rank and attn_{name}_headwise conflict: a headwise gate projects straight "
-                         "to one logit per head; choose one")
-        elif rank >= max(width_in, inner):
-            found.append(f"attn_{name}_rank must be below the gate's input ({width_in}) or output ({inner}) width "
-                         f"to be low rank, got {rank}")
-    return found
 
 
 def keyword(field: str) -> str:

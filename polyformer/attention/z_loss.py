@@ -19,6 +19,7 @@ from .attention import Attention
 from .kernels.dense import DenseKernel
 from .kernels.direct import switch
 from .scoring import LOSS, ScoreStage, z_loss
+from .taps import recorded, tapped
 
 if TYPE_CHECKING:
     from ..stack import AttentionLayers
@@ -58,9 +59,8 @@ def _normalizers(stack: "AttentionLayers") -> list[tuple[DenseKernel, nn.Module]
         attn = block.branch
         kernel = getattr(attn, "kernel", None)
         if not isinstance(attn, Attention) or not isinstance(kernel, DenseKernel):
-            cfg = stack.cfg
-            what = (switch("mixer.", cfg.mixer.name) if cfg.mixer is not None and not isinstance(attn, Attention)
-                    else switch("attention.kernel.", attn.cfg_kernel) if isinstance(attn, Attention)
+            what = (switch("attention.kernel.", attn.cfg_kernel) if isinstance(attn, Attention)
+                    else switch("mixer.", stack.cfg.mixer.name) if stack.cfg.mixer is not None
                     else type(attn).__name__)
             raise ValueError(f"the attention z-loss (attn_z_loss_weight / return_attn_z_loss / add_attn_z_loss) needs "
                              f"every attention block's score matrix; {what} forms none")
@@ -97,15 +97,12 @@ def requested(stack: "AttentionLayers", weight: float) -> Iterator[AuxLosses]:
 
     taps = _normalizers(stack)
     fused = [kernel.can_fuse for kernel, _ in taps]
-    handles = []
     try:
-        for kernel, normalize in taps:
+        for kernel, _ in taps:
             kernel.can_fuse = False
-            handles.append(normalize.register_forward_pre_hook(report))
-        yield found
+        with tapped([normalize for _, normalize in taps], report, pre=True):
+            yield found
     finally:
-        for handle in handles:
-            handle.remove()
         for (kernel, _), was in zip(taps, fused):
             kernel.can_fuse = was
 
@@ -113,11 +110,11 @@ def requested(stack: "AttentionLayers", weight: float) -> Iterator[AuxLosses]:
 def returned(wrapper: nn.Module, args: dict[str, Any]) -> tuple[Any, Any]:
     """wrapper.forward(**args) with the z-loss asked for: (output, its record with `attn_z_loss`, the weighted
     sum over blocks, also in `record.losses`)."""
-    args = {k: v for k, v in args.items() if k not in ("self", "return_attn_z_loss", "__class__")}
+    args = recorded(args, "return_attn_z_loss")
     weight = weight_of(type(wrapper).__name__, wrapper.attn_layers, args.pop("attn_z_loss_weight", None),
                        wrapper.attn_z_loss_weight)
     with requested(wrapper.attn_layers, weight) as found:
-        out, record = wrapper.forward(**{**args, "return_intermediates": True})
+        out, record = wrapper.forward(**args)
     record.losses.merge(found)
     record.attn_z_loss = record.losses.weights[LOSS] * record.losses.terms[LOSS] if LOSS in record.losses.terms \
         else None

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 from polyformer import Decoder, Encoder, TransformerWrapper
 from polyformer.attention.hard_attention import HardMax
 from polyformer.attention.hard_log_probs import log_prob_of_pick, picking
-from polyformer.attention.kernels.dense import DenseKernel, causal_keep
+from polyformer.attention.kernels.dense import DenseKernel
 from polyformer.interfaces import KV
 
 SMALL = dict(dim=16, heads=2, attn_dim_head=8)

@@ -136,3 +136,14 @@ def test_readme_python_block_runs(index):
     torch.manual_seed(0)
     namespace = {"__name__": f"readme_block_{index}"}
     exec(compile(code, f"README.md[python block {index}]", "exec"), namespace)
+
+
+def test_every_section_appears_once():
+    """No section twice (a bad splice once copied 570 lines of the README after itself, and the duplicated
+    python blocks then ran twice as tests): each ## heading once, each ### heading once under its ##."""
+    text = FENCE.sub("", README.read_text(encoding="utf-8"))          # '#' lines inside code are comments
+    seen, parent = [], None
+    for level, title in re.findall(r"^(##|###) (.+)$", text, re.M):
+        parent = title if level == "##" else parent
+        seen.append((title,) if level == "##" else (parent, title))
+    assert len(seen) == len(set(seen)), sorted({s for s in seen if seen.count(s) > 1})
